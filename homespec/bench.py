@@ -1,0 +1,301 @@
+"""Benchmark protocol (DESIGN.md, "Measuring"): every arm sees the same target, prompts,
+sampling (greedy), output length and warm state, interleaved prompt by prompt so that drift of
+a shared machine hits every arm alike. Speedups are ratios within one run.
+
+Warm state: for each prompt the target's KV cache is primed once with the prompt (not timed),
+and every arm starts from it, so the target's prefill — identical for all arms — is reported
+once per workload and TTFT shows what an arm adds (the draft model's own prefill). The draft's
+cache is cleared before each arm so that it pays its prefill honestly.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import psutil
+import yaml
+
+from homespec.controller import AcceptanceModel, Controller
+from homespec.engine import FixedPolicy, GenerationStats, StepStats
+from homespec.sampling import SamplingParams
+from homespec.session import Session
+
+WORKLOADS = ("code", "edit", "chat")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    prompts: list[list[dict[str, str]]]  # each a list of chat messages
+
+
+def load_workloads(names: Sequence[str] = WORKLOADS) -> list[Workload]:
+    out = []
+    for name in names:
+        raw = yaml.safe_load(resources.files("homespec.bench_prompts").joinpath(f"{name}.yaml").read_text())
+        prompts = [
+            ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + [{"role": "user", "content": p["user"]}]
+            for p in raw["prompts"]
+        ]
+        out.append(Workload(raw["name"], raw["description"], prompts))
+    return out
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    mode: str  # off | draft | ngram | mtp | auto | reference
+    k: int = 0
+
+
+def default_arms(proposers: Sequence[str], reference: bool = True) -> list[Arm]:
+    arms = [Arm("plain", "off")]
+    if reference:
+        arms.append(Arm("llama.cpp", "reference"))
+    if "draft" in proposers:
+        arms += [Arm(f"draft k={k}", "draft", k) for k in (1, 2, 4)]
+    arms += [Arm(f"ngram k={k}", "ngram", k) for k in (2, 4, 8)]
+    if "mtp" in proposers:
+        arms += [Arm(f"mtp k={k}", "mtp", k) for k in (1, 2, 4)]
+    arms.append(Arm("auto", "auto"))
+    return arms
+
+
+def parse_arms(spec: str) -> list[Arm]:
+    """'plain,draft:2,ngram:4,auto,reference' -> arms."""
+    arms = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        mode, _, k = item.partition(":")
+        mode = {"plain": "off", "llama.cpp": "reference"}.get(mode, mode)
+        name = {"off": "plain", "reference": "llama.cpp", "auto": "auto"}.get(mode, f"{mode} k={k}")
+        arms.append(Arm(name, mode, int(k) if k else 0))
+    return arms
+
+
+@dataclass
+class Run:
+    """One arm on one prompt."""
+
+    tokens: int  # completion tokens
+    seconds: float  # wall time of the whole generation (prompt primed)
+    ttft_s: float
+    text: str
+    steps: list[StepStats] = field(default_factory=list)
+    rss_mib: float = 0.0
+    expected_gain: float | None = None  # auto: the controller's mean expectation
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    workload: str
+    runs: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rss_mib: float = 0.0
+    same_as_plain: int = 0
+    chosen: dict[str, int] = field(default_factory=dict)
+    pos_hits: list[int] = field(default_factory=list)  # [k] accepted at draft position i
+    pos_tries: list[int] = field(default_factory=list)  # [k] tested at draft position i
+    expected_gain: float | None = None
+    # Filled in by finish():
+    tok_s: float | None = None  # decode tokens/s (after the first token)
+    e2e_tok_s: float | None = None  # completion tokens / whole generation time
+    speedup: float | None = None  # tok_s / plain tok_s
+    acceptance_rate: float | None = None
+    acceptance_length: float | None = None
+    draft_ms: float | None = None  # per step
+    verify_ms: float | None = None  # per step
+
+    def add(self, run: Run, plain_text: str | None) -> None:
+        self.runs += 1
+        self.tokens += run.tokens
+        self.seconds += run.seconds
+        self.decode_tokens += max(run.tokens - 1, 0)
+        self.decode_s += run.seconds - run.ttft_s
+        self.ttft_s.append(run.ttft_s)
+        self.rss_mib = max(self.rss_mib, run.rss_mib)
+        self.same_as_plain += plain_text is not None and run.text == plain_text
+        for s in run.steps:
+            self.steps += 1
+            self.proposed += s.proposed
+            self.accepted += s.accepted
+            self.draft_s += s.draft_s
+            self.verify_s += s.verify_s
+            key = f"{s.proposer}:{s.k}"
+            self.chosen[key] = self.chosen.get(key, 0) + 1
+            for i, ok in enumerate(s.outcomes):
+                if i >= len(self.pos_tries):
+                    self.pos_hits.append(0)
+                    self.pos_tries.append(0)
+                self.pos_tries[i] += 1
+                self.pos_hits[i] += ok
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """Per draft position: P(accepted | reached)."""
+        return [h / t for h, t in zip(self.pos_hits, self.pos_tries) if t]
+
+    def finish(self, plain_tok_s: float | None) -> None:
+        self.tok_s = self.decode_tokens / self.decode_s if self.decode_s > 0 else None
+        self.e2e_tok_s = self.tokens / self.seconds if self.seconds > 0 else None
+        if self.tok_s and plain_tok_s:
+            self.speedup = self.tok_s / plain_tok_s
+        if self.proposed:
+            self.acceptance_rate = self.accepted / self.proposed
+        if self.steps:
+            self.acceptance_length = (self.accepted + self.steps) / self.steps
+            self.draft_ms = 1000 * self.draft_s / self.steps
+            self.verify_ms = 1000 * self.verify_s / self.steps
+
+
+class _Recorder(FixedPolicy):
+    """A fixed policy that keeps the steps, for per-arm statistics."""
+
+    def __init__(self, mode: str, k: int, steps: list[StepStats]) -> None:
+        super().__init__("none" if mode == "off" else mode, k)
+        self.steps = steps
+
+    def observe(self, step: StepStats) -> None:
+        self.steps.append(step)
+
+
+class _AutoRecorder:
+    """Wraps the shared controller: records steps and the gain it expected for each."""
+
+    def __init__(self, controller: Controller, steps: list[StepStats], expected: list[float]) -> None:
+        self.c, self.steps, self.expected = controller, steps, expected
+
+    def proposers_used(self) -> set[str]:
+        return self.c.proposers_used()
+
+    def proposers_to_prefill(self) -> set[str]:
+        return self.c.proposers_to_prefill()
+
+    def decide(self, context):  # noqa: ANN001, ANN201 - SpeculationPolicy
+        d = self.c.decide(context)
+        gains = self.c.view.gains.get(d.proposer)
+        self.expected.append(gains[d.k - 1] if d.k and gains else 1.0)
+        return d
+
+    def observe(self, step: StepStats) -> None:
+        self.c.observe(step)
+        self.steps.append(step)
+
+
+def predicted_gain(controller: Controller, proposer: str, k: int, position_acceptance: Sequence[float]) -> float | None:
+    """What the cost model predicts for a fixed arm, given the acceptance that arm saw: a check
+    of the model the controller decides with."""
+    if proposer in ("none", "off") or k == 0 or not controller.cost.calibrated():
+        return None
+    acc = AcceptanceModel(k, alpha=0.0, prior=0.0)
+    rates = acc.rates((proposer, 0))
+    n = min(k, len(position_acceptance))
+    rates[:n] = position_acceptance[:n]
+    emitted = acc.expected_emitted((proposer, 0))[k]
+    seconds = controller.cost.verify(k + 1) + controller.cost.propose(proposer, k)
+    return float(emitted / seconds * controller.cost.verify(1))
+
+
+@dataclass
+class BenchReport:
+    machine: dict
+    config: dict
+    prefill: dict[str, float]  # workload -> target prefill tokens/s
+    results: list[ArmResult]
+    calibration: dict
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=float)
+
+
+def run_bench(
+    session: Session,
+    workloads: Sequence[Workload],
+    arms: Sequence[Arm],
+    max_tokens: int,
+    prompts_per_workload: int | None = None,
+    reference=None,  # runtime.ReferenceDecoder | None
+    progress: Callable[[str], None] = lambda s: None,
+) -> BenchReport:
+    models = session.models
+    proc = psutil.Process()
+    greedy = SamplingParams(temperature=0.0)
+    results: list[ArmResult] = []
+    prefill: dict[str, float] = {}
+    for wl in workloads:
+        by_arm = {a.name: ArmResult(a.name, wl.name) for a in arms}
+        prefill_tokens, prefill_s = 0, 0.0
+        for i, messages in enumerate(wl.prompts[:prompts_per_workload]):
+            tokens = models.encode_chat(messages)
+            models.target.reset()
+            t0 = time.perf_counter()
+            models.target.sync(tokens)  # prime: every arm starts with the prompt cached
+            prefill_s += time.perf_counter() - t0
+            prefill_tokens += len(tokens)
+            if reference is not None:
+                reference.complete(tokens, 1)  # prime its own cache alike
+            plain_text: str | None = None
+            for arm in arms:
+                run = _run_arm(session, arm, tokens, greedy, max_tokens, reference)
+                run.rss_mib = proc.memory_info().rss / 2**20
+                if arm.mode == "off":
+                    plain_text = run.text
+                by_arm[arm.name].add(run, plain_text if arm.mode != "off" else None)
+                if run.expected_gain is not None:
+                    r = by_arm[arm.name]
+                    r.expected_gain = run.expected_gain if r.expected_gain is None else (r.expected_gain * (r.runs - 1) + run.expected_gain) / r.runs
+                progress(f"{wl.name} #{i + 1} {arm.name:12s} {run.tokens:4d} tok {run.seconds:6.2f} s")
+        prefill[wl.name] = prefill_tokens / prefill_s if prefill_s else 0.0
+        plain = by_arm.get("plain")
+        if plain:
+            plain.finish(None)
+        for r in by_arm.values():
+            r.finish(plain.tok_s if plain else None)
+            if r.expected_gain is None:
+                arm = next(a for a in arms if a.name == r.arm)
+                r.expected_gain = predicted_gain(session.controller, arm.mode, arm.k, r.position_acceptance)
+        results.extend(by_arm.values())
+    return BenchReport(
+        machine={"cpu_threads": models.target.n_threads, "cpus": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)},
+        config={"target": models.target_name, "draft": models.draft_name, "max_tokens": max_tokens, "n_ctx": models.target.n_ctx},
+        prefill=prefill,
+        results=results,
+        calibration={k: {str(n): s for n, s in v.items()} for k, v in session.calibration.items()},
+    )
+
+
+def _run_arm(session: Session, arm: Arm, tokens: list[int], params: SamplingParams, max_tokens: int, reference) -> Run:
+    models = session.models
+    if arm.mode == "reference":
+        text, n, seconds = reference.complete(tokens, max_tokens)
+        # No stream: TTFT is taken as one plain pass, the first token's cost with a primed prompt.
+        return Run(n, seconds, seconds / max(n, 1), text)
+    if models.draft is not None:
+        models.draft.reset()  # the draft pays its prefill in every arm that uses it
+    steps: list[StepStats] = []
+    expected: list[float] = []
+    if arm.mode == "auto":
+        policy = _AutoRecorder(session.controller, steps, expected)
+    else:
+        policy = _Recorder(arm.mode, arm.k, steps)
+    st = GenerationStats()
+    t0 = time.perf_counter()
+    text = "".join(ev.text for ev in models.engine.generate(tokens, params, max_tokens, (), policy, st))
+    seconds = time.perf_counter() - t0
+    return Run(st.completion_tokens, seconds, st.ttft_s, text, steps, expected_gain=float(np.mean(expected)) if expected else None)

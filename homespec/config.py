@@ -1,0 +1,205 @@
+"""Typed configuration: config.yaml -> Config, with defaults that carry their reason.
+
+Every setting is declared once here (type, default, bounds, description); the CLI and the daemon
+read it from this model. `load_config` turns any problem into a `ConfigError` whose message names
+the bad field, so the CLI can print one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from homespec.errors import UserError
+
+SpeculationMode = Literal["auto", "draft", "ngram", "mtp", "off"]
+
+
+class ConfigError(UserError):
+    """A config file that cannot be used; the message is one line naming the field."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos far more often than intent: reject them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelRef(_Strict):
+    """One GGUF model: a registry name (fetched by `homespec models pull`) or a local path."""
+
+    name: str | None = Field(None, description="Registry name from models/registry.yaml")
+    path: Path | None = Field(None, description="Local GGUF file; overrides `name`")
+    n_gpu_layers: int = Field(
+        0, ge=-1, description="Layers offloaded to the GPU (-1 = all). 0: CPU only, the safe default"
+    )
+
+    @model_validator(mode="after")
+    def _name_or_path(self) -> "ModelRef":
+        if self.name is None and self.path is None:
+            raise ValueError("give `name` (registry) or `path` (local GGUF)")
+        return self
+
+
+class ModelsConfig(_Strict):
+    dir: Path = Field(Path("models"), description="Where pulled models live (relative to the config file)")
+    registry: Path = Field(Path("models/registry.yaml"), description="Registry of pullable models")
+    target: ModelRef = ModelRef(name="qwen2.5-coder-1.5b-instruct-q4_k_m")
+    # The 0.5B draft shares the target's tokenizer. null disables draft-model speculation
+    # (ngram needs no model).
+    draft: ModelRef | None = ModelRef(name="qwen2.5-coder-0.5b-instruct-q4_k_m")
+    mtp: Path | None = Field(None, description="Trained MTP head (.safetensors); null = none")
+
+
+class RuntimeConfig(_Strict):
+    # 4096 covers a chat with a few pages of history; the KV cache for the 1.5B target at 4k is
+    # ~112 MiB (f16), cheap next to the weights.
+    n_ctx: int = Field(4096, ge=256, le=131072, description="Context length in tokens")
+    # None: one thread per physical core. Hyper-threads only add contention for llama.cpp's GEMMs.
+    n_threads: int | None = Field(None, ge=1, le=512, description="CPU threads (null = physical cores)")
+    # 512 keeps the compute buffer small (it scales with n_batch x vocab for the logits) while
+    # prefill throughput is already flat above ~256 on a CPU.
+    n_batch: int = Field(512, ge=32, le=8192, description="Max tokens per llama_decode call")
+    use_mmap: bool = Field(True, description="Map weights from disk: fast start, shared page cache")
+    # Off by default: mlock needs LimitMEMLOCK (the systemd unit sets it when this is on).
+    use_mlock: bool = Field(False, description="Lock weights in RAM so the OS never pages them out")
+
+
+class NgramConfig(_Strict):
+    # Matches shorter than 2 tokens are mostly noise (common tokens like "\n" or " the").
+    n_min: int = Field(2, ge=1, le=16, description="Shortest suffix n-gram to look up")
+    # Longer suffixes are more specific; beyond ~5 tokens the gain in precision is negligible.
+    n_max: int = Field(5, ge=1, le=32, description="Longest suffix n-gram to look up")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NgramConfig":
+        if self.n_min > self.n_max:
+            raise ValueError(f"n_min ({self.n_min}) must be <= n_max ({self.n_max})")
+        return self
+
+
+class ControllerConfig(_Strict):
+    # Calibration covers the k the controller may choose: verify passes of 1..k_max+1 tokens.
+    warmup_passes: int = Field(2, ge=1, le=20, description="Timed passes per batch size at warm-up")
+    # 0.1: the estimate follows a workload change within ~10 steps yet one outlier step moves it
+    # by only 10 %.
+    acceptance_ewma: float = Field(0.1, gt=0, le=1, description="EWMA weight of a new acceptance observation")
+    # Costs drift slowly (thermal, other load); 0.05 averages over ~20 samples per batch size.
+    cost_ewma: float = Field(0.05, gt=0, le=1, description="EWMA weight of a new timing sample")
+    # Re-probe a candidate that looks bad after this many steps without choosing it, so a change
+    # of workload is noticed; bounded cost: 1 step in 32 at most.
+    explore_every: int = Field(32, ge=2, le=10_000, description="Steps between exploration probes")
+    # Optimistic prior: a never-observed position is assumed to accept at this rate.
+    prior_acceptance: float = Field(0.5, ge=0, le=1, description="Acceptance assumed before any observation")
+    # A candidate must beat plain decoding by this margin: speculation has variance and small
+    # overheads that the cost model does not see.
+    min_gain: float = Field(1.03, ge=1.0, le=2.0, description="Required expected speedup over k=0")
+
+
+class SpeculationConfig(_Strict):
+    mode: SpeculationMode = Field("auto", description="auto picks proposer and k from measurements")
+    # Used by the fixed modes (draft, ngram, mtp).
+    k: int = Field(4, ge=0, le=64, description="Draft length in fixed modes")
+    # 16: a pass over 17 tokens costs ~9x one pass on a 2-core CPU; longer drafts only pay with
+    # near-perfect copying. GPUs, with flat verify cost, can raise it.
+    k_max: int = Field(16, ge=1, le=64, description="Largest k the controller may choose")
+    ngram: NgramConfig = NgramConfig()
+    controller: ControllerConfig = ControllerConfig()
+
+
+class SamplingDefaults(_Strict):
+    # Greedy by default: reproducible answers, and the exactness guarantee is easiest to audit.
+    temperature: float = Field(0.0, ge=0, le=5)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    max_tokens: int = Field(512, ge=1, description="Default completion length")
+
+
+class ServerConfig(_Strict):
+    host: str = Field("127.0.0.1", description="Bind address; loopback by default")
+    # 8321: unassigned by IANA, not a common dev port (8000/8080/11434 are often taken).
+    port: int = Field(8321, ge=1, le=65535)
+    api_key: str | None = Field(None, description="Bearer key required on every /v1 request")
+    api_key_file: Path | None = Field(None, description="File holding the API key (first line)")
+    # A daemon that answers anyone on the LAN without a key is a footgun: opt in explicitly.
+    allow_unauthenticated_remote: bool = Field(False, description="Allow a non-loopback bind without a key")
+    # One generation runs at a time on a 2-core box; 8 waiting requests is ~minutes of work.
+    queue_depth: int = Field(8, ge=0, le=1024, description="Requests that may wait for the model")
+    request_timeout_s: float = Field(600, gt=0, description="Per-request wall-clock limit")
+    # 4 MiB: far above any chat history that fits n_ctx, small enough to refuse abuse.
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    cors_origins: list[str] = Field(default_factory=list, description="Allowed CORS origins; none by default")
+    # Graceful stop: in-flight generations get this long to finish before they are cancelled.
+    drain_timeout_s: float = Field(20, ge=0, le=600)
+    model_alias: str | None = Field(None, description="Model id reported by /v1/models (default: target name)")
+
+
+class MemoryConfig(_Strict):
+    # 1 GiB left to the rest of the home server (Home Assistant, a NAS, a browser over SSH).
+    reserve_mib: int = Field(1024, ge=0, description="RAM kept free for other services")
+    vram_reserve_mib: int = Field(512, ge=0, description="VRAM kept free (desktop, other apps)")
+    # drop-draft: serving without speculation beats not serving.
+    policy: Literal["refuse", "drop-draft", "shrink-context"] = "drop-draft"
+    watch_interval_s: float = Field(5.0, gt=0, description="How often headroom is checked while running")
+    # Never by default: a home server's models should stay warm.
+    keep_alive_s: float | None = Field(None, gt=0, description="Unload models after this idle time")
+    # Prefix cache: saved KV states of recent conversations, beyond the live one.
+    prefix_cache_mib: int = Field(512, ge=0, description="Memory for saved conversation caches")
+
+
+class Config(_Strict):
+    models: ModelsConfig = ModelsConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
+    sampling: SamplingDefaults = SamplingDefaults()
+    server: ServerConfig = ServerConfig()
+    memory: MemoryConfig = MemoryConfig()
+    base_dir: Path = Field(
+        Path("."), exclude=True, validate_default=True, description="Directory relative paths resolve against"
+    )
+
+    @field_validator("base_dir")
+    @classmethod
+    def _abs(cls, v: Path) -> Path:
+        return v.resolve()
+
+    def resolve(self, p: Path) -> Path:
+        """A config path made absolute against the config file's folder."""
+        p = Path(os.path.expanduser(p))
+        return p if p.is_absolute() else (self.base_dir / p)
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
+    more = f" (+{len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {loc}: {first['msg']}{more}"
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read config.yaml. A missing path gives the defaults; a bad file raises ConfigError."""
+    if path is None:
+        return Config()
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    raw["base_dir"] = path.parent
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, str(path))) from None

@@ -1,0 +1,341 @@
+"""Adaptive speculation: pick the proposer and k that maximise measured goodput, k = 0 included.
+
+Each step, for every candidate c = (proposer, k):
+
+    E[emitted | c] = 1 + sum_{j=1..k} prod_{i=1..j} a_i          (a_i: P(position i accepted |
+                                                                    positions < i accepted))
+    E[seconds | c] = t_verify(k + 1) + t_propose(proposer, k)
+    rate(c)        = E[emitted | c] / E[seconds | c]               tokens per second
+
+and plain decoding is the candidate (none, 0) with rate 1 / t_verify(1). The controller picks the
+highest rate, but speculation only when it beats plain by `min_gain` (speculation has variance
+and small costs the model does not see).
+
+Everything on the right-hand side is measured on this machine, not assumed:
+- t_verify(n): the target's pass over n tokens, timed at warm-up for n = 1..k_max + 1 and
+  updated from every live step (EWMA). A 2-core CPU is compute-bound (a pass over 5 tokens costs
+  ~3x one), so the best k is small or 0; a GPU's flat curve makes large k pay.
+- t_propose: seconds per proposed token for the draft model / MTP head (EWMA of live steps,
+  catch-up batches excluded); ngram costs microseconds.
+- a_i: per proposer, an EWMA of the outcome at each position, updated after every step; for
+  ngram additionally keyed by the match length, since a 5-token match predicts far better than
+  a 2-token one.
+
+Exploration: a proposer that is never chosen is never measured, so a change of workload (prose
+to code) would go unnoticed. A proposer not tried for `explore_every` steps gets one probe step,
+but only while the time lost to probes stays under `explore_budget` of the total — a bound on
+what exploration can cost. The rule uses no randomness: the same observations give the same
+decisions.
+
+How this differs from transformers' assisted generation (`num_assistant_tokens` +2 on full
+acceptance, -1 otherwise): that heuristic targets acceptance and ignores cost, so on a CPU it
+happily speculates at a loss; here the objective is tokens per second and k = 0 is a candidate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from homespec.config import ControllerConfig
+from homespec.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, StepStats
+
+# Share of generation time that probing unprofitable proposers may cost at most.
+EXPLORE_BUDGET = 0.03
+# Probes move the estimate faster than regular steps: a probe is rare, so each must count.
+PROBE_EWMA = 0.35
+
+
+class CostModel:
+    """Seconds for a target pass over n tokens, and for proposing, measured and updated."""
+
+    def __init__(self, n_max: int, alpha: float) -> None:
+        self.n_max = n_max  # largest pass measured: k_max + 1
+        self.alpha = alpha
+        self.verify_s = np.full(n_max + 1, np.nan)  # [n_max + 1], index n = tokens in the pass
+        self.propose_s: dict[str, float] = {}  # proposer -> seconds per proposed token
+
+    def set_verify(self, samples: Mapping[int, float]) -> None:
+        """Calibration: seconds per pass at measured sizes; the rest is interpolated."""
+        ns = sorted(n for n in samples if 1 <= n <= self.n_max)
+        xs = np.arange(1, self.n_max + 1)
+        self.verify_s[1:] = np.interp(xs, ns, [samples[n] for n in ns])
+
+    def calibrated(self) -> bool:
+        return not np.isnan(self.verify_s[1])
+
+    def verify(self, n: int) -> float:
+        n = min(max(n, 1), self.n_max)
+        return float(self.verify_s[n])
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        if 1 <= n <= self.n_max:
+            old = self.verify_s[n]
+            self.verify_s[n] = seconds if np.isnan(old) else old + self.alpha * (seconds - old)
+
+    def propose(self, proposer: str, k: int) -> float:
+        return self.propose_s.get(proposer, 0.0) * k
+
+    def observe_propose(self, proposer: str, k: int, seconds: float) -> None:
+        if k <= 0:
+            return
+        per = seconds / k
+        old = self.propose_s.get(proposer)
+        self.propose_s[proposer] = per if old is None else old + self.alpha * (per - old)
+
+
+class AcceptanceModel:
+    """a_i per (proposer, bucket): P(position i accepted | all before it accepted), EWMA."""
+
+    def __init__(self, k_max: int, alpha: float, prior: float) -> None:
+        self.k_max, self.alpha, self.prior = k_max, alpha, prior
+        self._a: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] conditional acceptance
+        self._n: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observations
+
+    def rates(self, key: tuple[str, int]) -> np.ndarray:
+        if key not in self._a:
+            self._a[key] = np.full(self.k_max, self.prior)
+            self._n[key] = np.zeros(self.k_max, dtype=np.int64)
+        return self._a[key]
+
+    def observations(self, key: tuple[str, int]) -> int:
+        return int(self._n[key][0]) if key in self._n else 0
+
+    def observe(self, key: tuple[str, int], outcomes: Sequence[bool], alpha: float | None = None) -> None:
+        a, n = self.rates(key), self._n[key]
+        for i, ok in enumerate(outcomes[: self.k_max]):
+            # Early on, a plain mean converges faster than the EWMA; later the EWMA forgets.
+            w = max(alpha or self.alpha, 1.0 / (n[i] + 2))
+            a[i] += w * (float(ok) - a[i])
+            n[i] += 1
+
+    def expected_emitted(self, key: tuple[str, int]) -> np.ndarray:
+        """[k_max + 1]: E[tokens emitted by a step] for k = 0..k_max."""
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates(key)))])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    proposer: str
+    k: int
+    tokens: float  # expected emitted tokens
+    seconds: float  # expected step time
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class ControllerView:
+    """What the daemon and the dashboard show: the choice, why, and the live figures."""
+
+    proposer: str = PLAIN
+    k: int = 0
+    reason: str = "not calibrated yet"
+    gains: dict[str, list[float]] = field(default_factory=dict)  # proposer -> [expected rate / plain] for k = 1..
+    baseline_tps: float | None = None  # plain decoding, from the cost model
+    effective_tps: float | None = None  # measured: emitted / step seconds (EWMA)
+    speedup: float | None = None  # effective / baseline
+    chosen: dict[str, int] = field(default_factory=dict)  # "ngram:4" -> steps
+    probes: int = 0
+
+
+class Controller:
+    """A SpeculationPolicy that learns; one instance is shared by all requests of a daemon."""
+
+    def __init__(
+        self,
+        proposers: Sequence[str],
+        cfg: ControllerConfig = ControllerConfig(),
+        k_max: int = 16,
+        ngram_buckets: tuple[int, int] = (2, 5),
+        ngram_peek: Callable[[Sequence[int], int], tuple[list[int], int]] | None = None,
+        greedy: bool = True,
+    ) -> None:
+        self.proposers = [p for p in proposers if p != PLAIN]
+        self.cfg = cfg
+        self.k_max = k_max
+        self.cost = CostModel(k_max + 1, cfg.cost_ewma)
+        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, cfg.prior_acceptance)
+        self.ngram_buckets = ngram_buckets
+        self.ngram_peek = ngram_peek  # (context, k) -> (continuation, match length)
+        self.step_no = 0
+        self.last_tried: dict[str, int] = {p: 0 for p in self.proposers}
+        self.total_s = 0.0
+        self.explore_s = 0.0  # time lost to probes (beyond what plain decoding would have taken)
+        self.view = ControllerView()
+        self._pending: tuple[str, int, bool] | None = None  # (proposer, bucket, is_probe) of the decided step
+        self._peek: tuple[list[int], int] = ([], 0)
+
+    # -- SpeculationPolicy -----------------------------------------------------------------
+
+    def proposers_used(self) -> set[str]:
+        return set(self.proposers)
+
+    def proposers_to_prefill(self) -> set[str]:
+        """Prefill only proposers that currently pay (a draft prefill costs TTFT for nothing
+        otherwise); others catch up lazily if a probe picks them."""
+        best = self._best_per_proposer(None)
+        plain = self._plain()
+        return {p for p, c in best.items() if p != "ngram" and c.rate >= self.cfg.min_gain * plain.rate}
+
+    def decide(self, context: Sequence[int]) -> Decision:
+        self.step_no += 1
+        if not self.cost.calibrated():
+            self._pending = None
+            return Decision(PLAIN, 0)
+        if "ngram" in self.proposers and self.ngram_peek is not None:
+            self._peek = self.ngram_peek(context, self.k_max)
+        else:
+            self._peek = ([], 0)
+        plain = self._plain()
+        best_of = self._best_per_proposer(self._peek)
+        best = max([plain, *best_of.values()], key=lambda c: c.rate)
+        if best.proposer != PLAIN and best.rate < self.cfg.min_gain * plain.rate:
+            best = plain
+        reason = self._reason(best, plain)
+        probe = self._probe(best, best_of)
+        if probe is not None:
+            reason = f"probe {probe.proposer} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
+            best = probe
+        self._record(best, plain, best_of, reason)
+        bucket = self._bucket(best.proposer)
+        self._pending = (best.proposer, bucket, probe is not None)
+        if best.proposer != PLAIN:
+            self.last_tried[best.proposer] = self.step_no
+        return Decision(best.proposer, best.k)
+
+    def observe(self, step: StepStats) -> None:
+        n = step.proposed + 1
+        self.cost.observe_verify(n, step.verify_s)
+        catchup = float(step.info.get("catchup_s", 0.0))
+        if step.proposer != PLAIN and step.proposed:
+            self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
+            bucket = self._bucket_of_step(step)
+            probing = self._pending is not None and self._pending[2]
+            self.acc.observe((step.proposer, bucket), step.outcomes, PROBE_EWMA if probing else None)
+            if probing:
+                plain_s = step.emitted * self.cost.verify(1)
+                self.explore_s += max(0.0, step.seconds - plain_s)
+                self.view.probes += 1
+        self.total_s += step.seconds
+        rate = step.emitted / step.seconds if step.seconds > 0 else 0.0
+        v = self.view
+        v.effective_tps = rate if v.effective_tps is None else v.effective_tps + 0.05 * (rate - v.effective_tps)
+        if v.baseline_tps:
+            v.speedup = v.effective_tps / v.baseline_tps
+        key = f"{step.proposer}:{step.k}"
+        v.chosen[key] = v.chosen.get(key, 0) + 1
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _plain(self) -> Candidate:
+        return Candidate(PLAIN, 0, 1.0, self.cost.verify(1))
+
+    def _bucket(self, proposer: str) -> int:
+        if proposer != "ngram":
+            return 0
+        lo, hi = self.ngram_buckets
+        return min(max(self._peek[1], lo), hi)
+
+    def _bucket_of_step(self, step: StepStats) -> int:
+        if step.proposer != "ngram":
+            return 0
+        lo, hi = self.ngram_buckets
+        return min(max(int(step.info.get("match_len", lo)), lo), hi)
+
+    def _best_per_proposer(self, peek: tuple[list[int], int] | None) -> dict[str, Candidate]:
+        """For each proposer, its best k. ngram is limited to the continuation it has now
+        (peek None: assume a full-length continuation of the longest bucket)."""
+        best: dict[str, Candidate] = {}
+        for p in self.proposers:
+            if p == "ngram":
+                if peek is None:
+                    k_avail, bucket = self.k_max, self.ngram_buckets[1]
+                else:
+                    k_avail = len(peek[0])
+                    lo, hi = self.ngram_buckets
+                    bucket = min(max(peek[1], lo), hi)
+                if k_avail == 0:
+                    continue
+            else:
+                k_avail, bucket = self.k_max, 0
+            emitted = self.acc.expected_emitted((p, bucket))  # [k_max + 1]
+            cands = [
+                Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
+                for k in range(1, k_avail + 1)
+            ]
+            best[p] = max(cands, key=lambda c: c.rate)
+        return best
+
+    def _probe(self, best: Candidate, best_of: Mapping[str, Candidate]) -> Candidate | None:
+        if self.total_s > 0 and self.explore_s > EXPLORE_BUDGET * self.total_s:
+            return None
+        stale = [
+            p
+            for p in self.proposers
+            if p != best.proposer and p in best_of and self.step_no - self.last_tried[p] >= self.cfg.explore_every
+        ]
+        if not stale:
+            return None
+        p = min(stale, key=lambda q: (self.last_tried[q], q))  # the longest untried; ties by name
+        c = best_of[p]
+        k = max(2, min(c.k, 4)) if p != "ngram" else c.k  # enough positions to learn from, cheaply
+        emitted = self.acc.expected_emitted((p, self._bucket(p)))
+        return Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
+
+    def _reason(self, best: Candidate, plain: Candidate) -> str:
+        if best.proposer == PLAIN:
+            return f"plain: no proposer beats {plain.rate:.1f} tok/s by {self.cfg.min_gain:.2f}x"
+        return (
+            f"{best.proposer} k={best.k}: expects {best.tokens:.2f} tokens in "
+            f"{best.seconds * 1000:.0f} ms = {best.rate / plain.rate:.2f}x plain"
+        )
+
+    def _record(self, best: Candidate, plain: Candidate, best_of: Mapping[str, Candidate], reason: str) -> None:
+        v = self.view
+        v.proposer, v.k, v.reason = best.proposer, best.k, reason
+        v.baseline_tps = plain.rate
+        gains: dict[str, list[float]] = {}
+        for p in self.proposers:
+            bucket = 0 if p != "ngram" else self.ngram_buckets[1]
+            emitted = self.acc.expected_emitted((p, bucket))
+            gains[p] = [
+                round((float(emitted[k]) / (self.cost.verify(k + 1) + self.cost.propose(p, k))) / plain.rate, 3)
+                for k in range(1, self.k_max + 1)
+            ]
+        v.gains = gains
+
+
+def calibrate(
+    controller: Controller,
+    time_pass: Callable[[int], float],
+    passes: int = 2,
+    sizes: Sequence[int] | None = None,
+) -> dict[int, float]:
+    """Time the target's pass over n tokens (median of `passes`) and load the cost model.
+
+    time_pass(n) runs one pass over n tokens and returns seconds. Sizes default to a spread over
+    1..k_max + 1 (interpolated between), which keeps warm-up to a few seconds on a CPU.
+    """
+    n_max = controller.k_max + 1
+    if sizes is None:
+        sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, n_max} & set(range(1, n_max + 1)))
+    samples = {n: float(np.median([time_pass(n) for _ in range(passes)])) for n in sizes}
+    controller.cost.set_verify(samples)
+    return samples
+
+
+def make_policy(mode: str, k: int, controller: Controller | None) -> SpeculationPolicy:
+    """The policy for a request: the shared controller for auto, a fixed one otherwise."""
+    if mode == "auto":
+        if controller is None:
+            raise ValueError("auto mode needs a calibrated controller")
+        return controller
+    if mode == "off" or k == 0:
+        return FixedPolicy()
+    return FixedPolicy(mode, k)
+

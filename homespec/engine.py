@@ -1,0 +1,273 @@
+"""The generation loop: prefill, then speculative steps until a stop condition.
+
+The engine speaks tokens. It does not know about HTTP, chat templates or how the proposer and k
+are chosen: a `SpeculationPolicy` decides each step, and is told what happened.
+
+One step (DESIGN.md, "the four phases"), with ctx the committed tokens, whose last token the
+target has not evaluated yet:
+
+    proposal = proposer.propose(ctx, k)                  # d_1..d_k'   (k' <= k)
+    logits   = target.eval([ctx[-1]] + d_1..d_k')         # [k' + 1, vocab] in one pass
+    verdict  = verify(d, target view of logits, q)        # n accepted + 1 bonus
+    target.truncate(len(ctx) + n)                         # drop the rejected tail
+    ctx     += d_1..d_n + [bonus]
+
+So the target's KV cache always holds ctx[:-1], also between steps and after a cancelled
+generation; proposers resynchronise from ctx themselves. k = 0 is plain decoding through the
+same code (one pass over the last token).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from homespec.proposers.base import Proposal, Proposer
+from homespec.runtime import Runtime, common_prefix
+from homespec.sampling import SamplingParams, choose, make_rng, target_view, window
+from homespec.textstream import TextStream
+from homespec.verify import Verdict, greedy_verify, rejection_verify
+
+PLAIN = "none"  # proposer name of a k = 0 step
+
+
+@dataclass(frozen=True)
+class StepStats:
+    proposer: str  # "draft" | "ngram" | "mtp" | "none" (plain)
+    k: int  # draft length asked for
+    proposed: int  # tokens actually proposed (<= k; ngram may find fewer)
+    accepted: int  # proposed tokens kept
+    draft_s: float  # seconds proposing
+    verify_s: float  # seconds in the target pass + verification
+    outcomes: tuple[bool, ...] = ()  # per tested position: accepted?
+    info: Mapping[str, float] = field(default_factory=dict)  # proposer hints (match_len, ...)
+
+    @property
+    def emitted(self) -> int:
+        return self.accepted + 1
+
+    @property
+    def seconds(self) -> float:
+        return self.draft_s + self.verify_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    proposer: str  # a key of Engine.proposers, or PLAIN
+    k: int
+
+
+class SpeculationPolicy(Protocol):
+    def proposers_used(self) -> set[str]:
+        """Proposers this policy may pick."""
+        ...
+
+    def proposers_to_prefill(self) -> set[str]:
+        """Proposers worth catching up during prefill (others catch up when first used)."""
+        ...
+
+    def decide(self, context: Sequence[int]) -> Decision: ...
+
+    def observe(self, step: StepStats) -> None: ...
+
+
+class FixedPolicy:
+    """Always the same proposer and k (k = 0 or proposer "none": plain decoding)."""
+
+    def __init__(self, proposer: str = PLAIN, k: int = 0) -> None:
+        self.decision = Decision(proposer if k > 0 else PLAIN, k if proposer != PLAIN else 0)
+
+    def proposers_used(self) -> set[str]:
+        return {self.decision.proposer} - {PLAIN}
+
+    def proposers_to_prefill(self) -> set[str]:
+        return self.proposers_used()
+
+    def decide(self, context: Sequence[int]) -> Decision:
+        return self.decision
+
+    def observe(self, step: StepStats) -> None:
+        pass
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV cache was reused from before
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # time to first token (prefill + first sample)
+    total_s: float = 0.0
+    steps: int = 0
+    spec_steps: int = 0  # steps that proposed at least one token
+    proposed: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    finish_reason: str | None = None
+    by_choice: dict[str, int] = field(default_factory=dict)  # "ngram:4" -> steps
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.spec_steps += s.proposed > 0
+        self.proposed += s.proposed
+        self.accepted += s.accepted
+        self.draft_s += s.draft_s
+        self.verify_s += s.verify_s
+        key = f"{s.proposer}:{s.k}"
+        self.by_choice[key] = self.by_choice.get(key, 0) + 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens emitted per step (>= 1)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else None
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Output tokens per second after the first token."""
+        dt = self.total_s - self.ttft_s
+        return (self.completion_tokens - 1) / dt if dt > 0 and self.completion_tokens > 1 else None
+
+
+@dataclass
+class Event:
+    text: str  # new text, safe to show (stop strings and split characters held back)
+    tokens: list[int]  # new tokens, counted in usage
+    step: StepStats | None  # the step that produced them (None: the first token, from prefill)
+    finish_reason: str | None = None  # "stop" | "length" | "context"; None = more to come
+
+
+class PromptTooLong(ValueError):
+    def __init__(self, n_prompt: int, n_ctx: int) -> None:
+        super().__init__(f"prompt has {n_prompt} tokens; the context holds {n_ctx} (at least 1 must remain for the answer)")
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
+
+
+class Engine:
+    """Owns the target runtime and the proposers; runs one generation at a time."""
+
+    def __init__(self, target: Runtime, proposers: Mapping[str, Proposer] | None = None) -> None:
+        self.target = target
+        self.proposers: dict[str, Proposer] = dict(proposers or {})
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        policy: SpeculationPolicy | None = None,
+        stats: GenerationStats | None = None,
+    ) -> Iterator[Event]:
+        """Yield events until EOS, a stop string, max_tokens or a full context.
+
+        The generator may be closed at any event (a client went away): the caches stay
+        consistent and the next generation reuses them.
+        """
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.target.n_ctx:
+            raise PromptTooLong(len(prompt), self.target.n_ctx)
+        policy = policy or FixedPolicy()
+        for name in policy.proposers_used() - set(self.proposers):
+            raise ValueError(f"policy wants proposer {name!r}, engine has {sorted(self.proposers)}")
+        st = stats if stats is not None else GenerationStats()
+        return self._run(list(prompt), params, max_tokens, stop, policy, st)
+
+    def _run(
+        self,
+        ctx: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str],
+        policy: SpeculationPolicy,
+        st: GenerationStats,
+    ) -> Iterator[Event]:
+        t_start = time.perf_counter()
+        rng = make_rng(params.seed)
+        st.prompt_tokens = len(ctx)
+        st.cached_tokens = min(common_prefix(self.target.tokens, ctx), len(ctx) - 1)
+        logits = self.target.sync(ctx)  # [1, vocab] after the prompt
+        for name in policy.proposers_to_prefill():
+            self.proposers[name].begin(ctx)
+        st.prefill_s = time.perf_counter() - t_start
+        first = choose(logits[0], params, window(ctx, params), rng)
+        st.ttft_s = time.perf_counter() - t_start
+        text = TextStream(self.target.piece, stop)
+        out = _Emitter(self.target, text, max_tokens, st)
+
+        event = out.emit(ctx, [first], None)
+        while True:
+            if event.finish_reason is None and len(ctx) >= self.target.n_ctx:
+                event.finish_reason = st.finish_reason = "context"
+            if event.finish_reason is not None:
+                event.text += out.flush()
+                st.total_s = time.perf_counter() - t_start
+                yield event
+                return
+            yield event
+            decision = policy.decide(ctx)
+            room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx
+            k = max(0, min(decision.k, room, max_tokens - st.completion_tokens - 1))
+            verdict, step = self._step(ctx, decision.proposer if k else PLAIN, k, params, rng)
+            policy.observe(step)
+            st.add(step)
+            event = out.emit(ctx, verdict.tokens, step)
+
+    def _step(
+        self, ctx: list[int], name: str, k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> tuple[Verdict, StepStats]:
+        """One speculative step over ctx (not modified here)."""
+        proposal = self.proposers[name].propose(ctx, k, params, rng) if k else Proposal([])
+        d = proposal.tokens[:k]
+        t0 = time.perf_counter()
+        logits = self.target.eval([ctx[-1], *d], output="all")  # [len(d) + 1, vocab]
+        view = target_view(logits, params, ctx, d)  # argmax [n] or probabilities [n, vocab]
+        if params.greedy:
+            verdict = greedy_verify(d, view)
+        else:
+            verdict = rejection_verify(d, view, proposal.q, rng)
+        self.target.truncate(len(ctx) + verdict.accepted)
+        verify_s = time.perf_counter() - t0
+        step = StepStats(name, k, len(d), verdict.accepted, proposal.draft_s, verify_s, tuple(verdict.outcomes), proposal.info)
+        return verdict, step
+
+
+class _Emitter:
+    """Appends verified tokens to ctx and applies the stop conditions, token by token."""
+
+    def __init__(self, target: Runtime, text: TextStream, max_tokens: int, st: GenerationStats) -> None:
+        self.target, self.text, self.max_tokens, self.st = target, text, max_tokens, st
+
+    def emit(self, ctx: list[int], tokens: list[int], step: StepStats | None) -> Event:
+        ev = Event("", [], step)
+        for tok in tokens:
+            ctx.append(tok)
+            ev.tokens.append(tok)
+            self.st.completion_tokens += 1
+            if self.target.is_eog(tok):
+                ev.finish_reason = "stop"
+                break
+            ev.text += self.text.push(tok)
+            if self.text.stopped:
+                ev.finish_reason = "stop"
+                break
+            if self.st.completion_tokens >= self.max_tokens:
+                ev.finish_reason = "length"
+                break
+        if ev.finish_reason:
+            self.st.finish_reason = ev.finish_reason
+            # Tokens after the stop are dropped; the target cache must not hold them either.
+            self.target.truncate(min(len(self.target.tokens), len(ctx) - 1))
+        return ev
+
+    def flush(self) -> str:
+        return self.text.flush()
+

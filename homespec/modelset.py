@@ -1,0 +1,107 @@
+"""Load what config.yaml describes: the target, the proposers, the chat template, the engine.
+
+This is where the pieces meet (CLI `run`/`bench` and the daemon all start here): resolve model
+paths, refuse a draft whose tokenizer differs from the target's, open the runtimes, and build
+the proposers the configuration allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from homespec.chat import ChatTemplate
+from homespec.config import Config
+from homespec.engine import Engine
+from homespec.gguf_info import check_tokenizer_compat
+from homespec.models import resolve_model_path
+from homespec.proposers.draft import DraftProposer
+from homespec.proposers.ngram import NgramProposer
+from homespec.runtime import Runtime, RuntimeOptions
+
+log = logging.getLogger("homespec.modelset")
+
+
+@dataclass
+class ModelSet:
+    target: Runtime
+    draft: Runtime | None
+    engine: Engine
+    template: ChatTemplate
+    target_path: Path
+    draft_path: Path | None
+    load_s: float = 0.0  # seconds to open all models
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target_name(self) -> str:
+        return self.target_path.stem
+
+    @property
+    def draft_name(self) -> str | None:
+        return self.draft_path.stem if self.draft_path else None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        text = self.template.render(messages)
+        bos = self.template.bos_token
+        # A template that writes BOS itself must not get a second one from the tokenizer.
+        add_special = not (bos and text.startswith(bos))
+        return self.target.tokenize(text, add_special=add_special, parse_special=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.target.tokenize(text, add_special=True, parse_special=False)
+
+    def close(self) -> None:
+        for p in self.engine.proposers.values():
+            p.close()
+        self.target.close()
+
+
+def runtime_options(cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False) -> RuntimeOptions:
+    r = cfg.runtime
+    return RuntimeOptions(
+        n_ctx=n_ctx or r.n_ctx,
+        n_batch=r.n_batch,
+        n_threads=r.n_threads,
+        n_gpu_layers=n_gpu_layers,
+        use_mmap=r.use_mmap,
+        use_mlock=r.use_mlock,
+        embeddings=embeddings,
+    )
+
+
+def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = None) -> ModelSet:
+    """Open the target (and the draft unless told not to) and build the engine."""
+    t0 = time.perf_counter()
+    target_path = resolve_model_path(cfg, cfg.models.target)
+    draft_path = resolve_model_path(cfg, cfg.models.draft) if (with_draft and cfg.models.draft) else None
+    if draft_path is not None:
+        check_tokenizer_compat(target_path, draft_path)  # raises IncompatibleTokenizer
+    target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx))
+    proposers: dict[str, Any] = {
+        "ngram": NgramProposer(cfg.speculation.ngram.n_min, cfg.speculation.ngram.n_max),
+    }
+    draft = None
+    if draft_path is not None:
+        assert cfg.models.draft is not None
+        draft = Runtime(draft_path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, target.n_ctx))
+        proposers["draft"] = DraftProposer(draft, target.n_vocab)
+    template = ChatTemplate(
+        target.chat_template,
+        bos_token=target.token_text(target.bos_id) if target.bos_id >= 0 else "",
+        eos_token="",
+    )
+    ms = ModelSet(target, draft, Engine(target, proposers), template, target_path, draft_path)
+    ms.load_s = time.perf_counter() - t0
+    log.info(
+        "loaded target %s%s in %.1f s (n_ctx %d, %d threads)",
+        target_path.name,
+        f" + draft {draft_path.name}" if draft_path else "",
+        ms.load_s,
+        target.n_ctx,
+        target.n_threads,
+    )
+    return ms

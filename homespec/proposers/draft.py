@@ -1,0 +1,86 @@
+"""A small GGUF model with the target's tokenizer guesses the next k tokens, one pass each.
+
+Its KV cache follows the committed context through `Runtime.sync`: before each proposal the
+draft evaluates only what it has not seen (after a step: the bonus token, plus the last
+accepted token when all k were accepted) in one batch, and that batch's last logits give the
+first guess — no pass is spent twice. Rejected guesses are truncated away on the next sync.
+
+Under sampling each guess is drawn from q = sampling.probabilities(draft logits) with the
+request's own SamplingParams, so that q and the target's p come from the same transform, as
+exact rejection sampling requires. Under greedy decoding the guess is the draft's argmax and q
+is a point mass (Proposal.q is None).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from homespec.proposers.base import Proposal
+from homespec.runtime import Runtime, common_prefix
+from homespec.sampling import SamplingParams, penalize, probabilities, sample, window
+
+
+class DraftProposer:
+    name = "draft"
+
+    def __init__(self, runtime: Runtime, target_vocab: int) -> None:
+        self.rt = runtime
+        # Tokenizers may differ by padding rows (gguf_info allows <= 128): pad q to the target's.
+        self.target_vocab = target_vocab
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        # Prefill all but the last token without logits; the first proposal evaluates the rest.
+        keep = min(len(prompt) - 1, common_prefix(self.rt.tokens, prompt))
+        self.rt.truncate(keep)
+        self.rt.eval(prompt[keep : len(prompt) - 1], output="none")
+
+    def propose(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Proposal:
+        t0 = time.perf_counter()
+        k = min(k, self.rt.n_ctx - len(context))  # room in the draft's own cache
+        if k <= 0:
+            return Proposal([], None, 0.0)
+        behind = len(context) - len(self.rt.tokens)  # tokens to catch up on (1-2 after a step)
+        logits = self.rt.sync(context, output="last")[0]  # [draft_vocab] after context
+        # A long catch-up (the draft sat out some steps) is a switching cost, not a drafting
+        # cost per token: report it apart so the controller's cost model stays clean.
+        catchup_s = time.perf_counter() - t0 if behind > 2 else 0.0
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []  # each [vocab]
+        conf: list[float] = []
+        recent = list(window(context, params))
+        for i in range(k):
+            z = self._pad(penalize(logits, params, window(recent + tokens, params)))
+            if params.greedy:
+                tok = int(np.argmax(z))
+                conf.append(_top_prob(z))
+            else:
+                q = probabilities(z, params)
+                tok = sample(q, rng)
+                qs.append(q)
+                conf.append(float(q[tok]))
+            tokens.append(tok)
+            if i + 1 < k:
+                logits = self.rt.eval([tok], output="last")[0]
+        q_arr = np.stack(qs) if qs else None  # [k, vocab]
+        info = {"confidence": float(np.mean(conf)), "catchup_s": catchup_s, "catchup_tokens": float(max(behind, 0))}
+        return Proposal(tokens, q_arr, time.perf_counter() - t0, info)
+
+    def _pad(self, z: np.ndarray) -> np.ndarray:
+        if z.shape[0] >= self.target_vocab:
+            return z[: self.target_vocab]
+        return np.concatenate([z, np.full(self.target_vocab - z.shape[0], -np.inf, dtype=z.dtype)])
+
+    def close(self) -> None:
+        self.rt.close()
+
+
+def _top_prob(z: np.ndarray) -> float:
+    """Softmax probability of the argmax, without forming the whole distribution twice."""
+    m = float(z.max())
+    return float(1.0 / np.exp(z - m).sum())
+

@@ -1,0 +1,362 @@
+"""A thin wrapper over llama-cpp-python's low-level API: the only module that touches llama_cpp.
+
+One `Runtime` is one model, one context and one KV-cache sequence (seq 0). It remembers which
+tokens its KV cache holds (`tokens`), so callers speak in token lists:
+
+    rt.eval(tokens, output="all")  -> logits [n, vocab] for the appended tokens
+    rt.truncate(n)                 -> drop cache entries from position n on
+    rt.sync(context)               -> make the cache hold `context` reusing the longest common
+                                      prefix, return the logits after it [vocab]
+
+It asks llama.cpp for logits only at the positions it uses (the batch's per-token output flags):
+the high-level `Llama(logits_all=True)` keeps an n_ctx x vocab array and runs the output layer
+over the whole prompt (DESIGN.md: +1.1 GB RSS, +8 % prefill).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+
+import llama_cpp
+
+from homespec.errors import ModelError
+
+log = logging.getLogger("homespec.runtime")
+_llama_log = logging.getLogger("homespec.llama_cpp")
+
+Output = Literal["all", "last", "none"]
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+@llama_cpp.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty at load; route it to debug logging, keep its errors visible.
+    # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
+    msg = text.decode("utf-8", "replace").rstrip()
+    if msg:
+        _llama_log.log({3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG), msg)
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+
+
+def physical_cores() -> int:
+    """Physical cores: llama.cpp's matmuls gain nothing from hyper-threads."""
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)
+    except Exception:  # psutil may not know on exotic platforms
+        n = None
+    return max(1, n or os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    n_ctx: int = 4096  # tokens
+    n_batch: int = 512  # tokens per llama_decode call
+    n_threads: int | None = None  # None = physical cores
+    n_gpu_layers: int = 0  # -1 = all
+    use_mmap: bool = True
+    use_mlock: bool = False
+    embeddings: bool = False  # also return final hidden states (the MTP head reads them)
+
+
+class Runtime:
+    """One GGUF model with one KV-cache sequence. Not thread-safe: one caller at a time."""
+
+    def __init__(self, path: str | Path, opts: RuntimeOptions = RuntimeOptions()) -> None:
+        _init_backend()
+        self.path = Path(path)
+        self.opts = opts
+        if not self.path.is_file():
+            raise ModelError(f"model file not found: {self.path}")
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = opts.n_gpu_layers if opts.n_gpu_layers >= 0 else 10_000
+        mp.load_mode = {
+            (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
+            (True, False): llama_cpp.LLAMA_LOAD_MODE_MMAP,
+            (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
+            (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
+        }[(opts.use_mmap, opts.use_mlock)]
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise ModelError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
+        self.n_embd: int = llama_cpp.llama_model_n_embd(self._model)
+
+        threads = opts.n_threads or physical_cores()
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = opts.n_ctx
+        cp.n_batch = opts.n_batch
+        cp.n_ubatch = opts.n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.embeddings = opts.embeddings
+        if opts.embeddings:
+            cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token hidden states
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+            raise ModelError(f"llama.cpp could not create a context of {opts.n_ctx} tokens for {self.path}")
+        self.n_ctx: int = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_threads = threads
+        self._mem = llama_cpp.llama_get_memory(self._ctx)
+        self._batch = llama_cpp.llama_batch_init(opts.n_batch, 0, 1)
+        self.tokens: list[int] = []  # what the KV cache holds, position i = tokens[i]
+        self.eog_ids: frozenset[int] = frozenset(
+            t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)
+        )
+        self.bos_id: int = llama_cpp.llama_vocab_bos(self._vocab)
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.last_hidden: np.ndarray | None = None  # [n_out, n_embd] from the last eval, if enabled
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int], output: Output = "all") -> np.ndarray:
+        """Append `tokens` to the cache; return logits [n_out, vocab] float32 (a copy).
+
+        n_out is len(tokens) for "all", 1 for "last", 0 for "none". Long inputs are split into
+        n_batch chunks; only the chunk holding requested outputs produces logits.
+        """
+        n = len(tokens)
+        if n == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextFull(len(self.tokens) + n, self.n_ctx)
+        outs: list[np.ndarray] = []
+        hidden: list[np.ndarray] = []
+        step = self.opts.n_batch
+        for start in range(0, n, step):
+            chunk = tokens[start : start + step]
+            is_last_chunk = start + step >= n
+            want = [output == "all" or (output == "last" and is_last_chunk and i == len(chunk) - 1) for i in range(len(chunk))]
+            self._decode(chunk, want)
+            n_out = sum(want)
+            if n_out:
+                outs.append(self._read(llama_cpp.llama_get_logits(self._ctx), n_out, self.n_vocab))
+                if self.opts.embeddings:
+                    hidden.append(self._read(llama_cpp.llama_get_embeddings(self._ctx), n_out, self.n_embd))
+        if self.opts.embeddings:
+            self.last_hidden = np.concatenate(hidden) if hidden else None
+        if not outs:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
+        b = self._batch
+        pos0 = len(self.tokens)
+        b.n_tokens = len(chunk)
+        for i, (tok, w) in enumerate(zip(chunk, want)):
+            b.token[i] = tok
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = w
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc != 0:
+            # On a fatal error llama.cpp may keep part of the batch: drop it so the cache again
+            # holds exactly self.tokens.
+            llama_cpp.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+            raise RuntimeError(f"llama_decode failed with code {rc} at position {pos0} ({len(chunk)} tokens)")
+        self.tokens.extend(int(t) for t in chunk)
+
+    @staticmethod
+    def _read(ptr: ctypes._Pointer, rows: int, cols: int) -> np.ndarray:
+        # The buffer is overwritten by the next decode: copy.
+        return np.ctypeslib.as_array(ptr, shape=(rows * cols,)).reshape(rows, cols).copy()
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions of the cache."""
+        if n < len(self.tokens):
+            if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n, -1):
+                # Cannot happen for a standard KV cache; for a recurrent one start over.
+                llama_cpp.llama_memory_clear(self._mem, True)
+                self.tokens.clear()
+                return
+            del self.tokens[n:]
+
+    def sync(self, context: Sequence[int], output: Output = "last") -> np.ndarray:
+        """Make the cache hold `context`, reusing the longest common prefix already cached.
+
+        Returns the logits after the last token ([1, vocab] for "last"). At least the final token
+        is always evaluated, since its logits are needed.
+        """
+        keep = common_prefix(self.tokens, context)
+        if output != "none":
+            keep = min(keep, len(context) - 1)
+        self.truncate(keep)
+        return self.eval(context[keep:], output)
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_clear(self._mem, True)
+        self.tokens.clear()
+
+    # -- saved states (prefix cache) ----------------------------------------------------------
+
+    def save_state(self) -> bytes:
+        """The KV cache of seq 0 as bytes (restore with load_state)."""
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, 0)
+        return bytes(buf[:n])
+
+    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        self.reset()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), 0) == 0:
+            self.reset()
+            raise RuntimeError("llama.cpp refused a saved KV state")
+        self.tokens = list(tokens)
+
+    # -- vocabulary ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (special tokens render as b"" unless special=True)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        return llama_cpp.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return token in self.eog_ids
+
+    def metadata(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    @property
+    def chat_template(self) -> str | None:
+        t = llama_cpp.llama_model_chat_template(self._model, None)
+        return t.decode("utf-8") if t else None
+
+    def model_bytes(self) -> int:
+        return int(llama_cpp.llama_model_size(self._model))
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ContextFull(Exception):
+    """The KV cache has no room for the tokens asked to be evaluated."""
+
+    def __init__(self, needed: int, n_ctx: int) -> None:
+        super().__init__(f"context full: {needed} tokens needed, n_ctx is {n_ctx}")
+        self.needed, self.n_ctx = needed, n_ctx
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    lo, hi = 0, n  # invariant: a[:lo] == b[:lo], a[:hi] != b[:hi]; slices compare in C
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ReferenceDecoder:
+    """llama-cpp-python's own high-level greedy decoding, for `homespec bench` to compare against.
+
+    A second context over the same GGUF (weights are shared through the page cache when mmapped).
+    """
+
+    def __init__(self, path: str | Path, opts: RuntimeOptions = RuntimeOptions()) -> None:
+        _init_backend()
+        self._llm = llama_cpp.Llama(
+            str(path),
+            n_ctx=opts.n_ctx,
+            n_batch=opts.n_batch,
+            n_threads=opts.n_threads or physical_cores(),
+            n_threads_batch=opts.n_threads or physical_cores(),
+            n_gpu_layers=opts.n_gpu_layers,
+            use_mmap=opts.use_mmap,
+            use_mlock=opts.use_mlock,
+            verbose=False,
+        )
+        llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))  # Llama() installs its own
+
+    def complete(self, prompt: Sequence[int], max_tokens: int) -> tuple[str, int, float]:
+        """Greedy `create_completion` of prompt tokens -> (text, completion tokens, seconds)."""
+        import time
+
+        t0 = time.perf_counter()
+        r = self._llm.create_completion(
+            list(prompt), max_tokens=max_tokens, temperature=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0
+        )
+        dt = time.perf_counter() - t0
+        return r["choices"][0]["text"], int(r["usage"]["completion_tokens"]), dt
+
+    def close(self) -> None:
+        self._llm.close()

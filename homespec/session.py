@@ -1,0 +1,186 @@
+"""A loaded, warmed-up model set with its controller: what `run`, `bench` and the daemon drive.
+
+Warm-up does two jobs: it touches the weights (the first pass after an mmap load pays the page
+faults) and it calibrates the controller's cost model by timing the target over n = 1..k_max + 1
+tokens and the draft over one token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from homespec.config import Config
+from homespec.controller import Controller, calibrate, make_policy
+from homespec.engine import Event, GenerationStats
+from homespec.errors import UserError
+from homespec.modelset import ModelSet, load_model_set
+from homespec.sampling import SamplingParams
+
+log = logging.getLogger("homespec.session")
+
+# A short chat-like context for timing passes: realistic positions, nothing cached from it.
+_WARMUP_TEXT = (
+    "<|im_start|>user\nWrite a Python function that parses an ISO date and returns the weekday."
+    "<|im_end|>\n<|im_start|>assistant\nHere is a function that does it:\n\n```python\nimport datetime\n"
+)
+
+
+class UnknownMode(UserError):
+    pass
+
+
+@dataclass
+class GenerationRequest:
+    params: SamplingParams = SamplingParams()
+    max_tokens: int = 256
+    stop: Sequence[str] = ()
+    mode: str = "auto"  # auto | draft | ngram | mtp | off
+    k: int | None = None  # fixed modes; None = config's speculation.k
+
+
+@dataclass
+class Generation:
+    """An iterable of engine events with live stats; close() stops it at the next step."""
+
+    events: Iterator[Event]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    mode: str = "auto"
+
+    def __iter__(self) -> Iterator[Event]:
+        return self.events
+
+    def close(self) -> None:
+        close = getattr(self.events, "close", None)
+        if close:
+            close()
+
+
+class Session:
+    def __init__(self, cfg: Config, models: ModelSet) -> None:
+        self.cfg = cfg
+        self.models = models
+        spec = cfg.speculation
+        names = list(models.engine.proposers)
+        ngram = models.engine.proposers.get("ngram")
+        self.controller = Controller(
+            names,
+            spec.controller,
+            k_max=min(spec.k_max, models.target.n_ctx - 1),
+            ngram_buckets=(spec.ngram.n_min, spec.ngram.n_max),
+            ngram_peek=getattr(ngram, "match", None),
+        )
+        self.warmup_s = 0.0
+        self.calibration: dict[str, dict[int, float]] = {}
+
+    @classmethod
+    def open(cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True) -> "Session":
+        session = cls(cfg, load_model_set(cfg, with_draft=with_draft))
+        if calibrate:
+            session.warmup()
+        return session
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.models.close()
+
+    # -- warm-up -----------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """Touch the weights and calibrate the controller (a few seconds on a CPU)."""
+        t0 = time.perf_counter()
+        target = self.models.target
+        ctx = target.tokenize(_WARMUP_TEXT, add_special=True, parse_special=True)
+        target.sync(ctx)  # also faults the weights in
+        base = len(target.tokens)
+        probe = (ctx * 4)[: self.controller.k_max + 1]
+
+        def time_target(n: int) -> float:
+            t = time.perf_counter()
+            target.eval(probe[:n], output="all")
+            dt = time.perf_counter() - t
+            target.truncate(base)
+            return dt
+
+        time_target(1)  # the first pass after load is slow (page faults, allocations)
+        samples = calibrate(self.controller, time_target, passes=self.cfg.speculation.controller.warmup_passes)
+        self.calibration["target"] = samples
+        draft = self.models.draft
+        if draft is not None:
+            draft.sync(ctx)
+            dbase = len(draft.tokens)
+            times = []
+            for i in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
+                t = time.perf_counter()
+                draft.eval(probe[i : i + 1], output="last")
+                times.append(time.perf_counter() - t)
+            draft.truncate(dbase)
+            per_token = statistics.median(times[1:])
+            self.controller.cost.propose_s["draft"] = per_token
+            self.calibration["draft"] = {1: per_token}
+        self.warmup_s = time.perf_counter() - t0
+        log.info(
+            "warm-up %.1f s: target pass 1 token %.0f ms, %d tokens %.0f ms%s",
+            self.warmup_s,
+            samples[1] * 1000,
+            max(samples),
+            samples[max(samples)] * 1000,
+            f"; draft {self.calibration['draft'][1] * 1000:.0f} ms/token" if draft is not None else "",
+        )
+
+    # -- generation --------------------------------------------------------------------------
+
+    def check_mode(self, mode: str) -> None:
+        if mode in ("auto", "off"):
+            return
+        if mode not in self.models.engine.proposers:
+            have = ", ".join(["auto", "off", *sorted(self.models.engine.proposers)])
+            raise UnknownMode(f"speculation mode {mode!r} is not available here (available: {have})")
+
+    def generate(self, tokens: Sequence[int], req: GenerationRequest) -> Generation:
+        self.check_mode(req.mode)
+        k = self.cfg.speculation.k if req.k is None else req.k
+        # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
+        mode = "off" if req.mode == "auto" and not self.controller.cost.calibrated() else req.mode
+        policy = make_policy(mode, k, self.controller)
+        stats = GenerationStats()
+        events = self.models.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats)
+        return Generation(events, stats, req.mode)
+
+
+def request_from_args(cfg: Config, args: argparse.Namespace) -> GenerationRequest:
+    """CLI flags over config defaults (flags left unset keep the config's value)."""
+    s = cfg.sampling
+
+    def pick(name: str, default):  # noqa: ANN001 - plain passthrough
+        v = getattr(args, name, None)
+        return default if v is None else v
+
+    try:
+        params = SamplingParams(
+            temperature=pick("temperature", s.temperature),
+            top_p=pick("top_p", s.top_p),
+            top_k=pick("top_k", s.top_k),
+            min_p=pick("min_p", s.min_p),
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            seed=pick("seed", None),
+        )
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return GenerationRequest(
+        params=params,
+        max_tokens=pick("max_tokens", s.max_tokens),
+        mode=pick("mode", cfg.speculation.mode),
+        k=pick("k", None),
+    )

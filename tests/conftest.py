@@ -1,0 +1,20 @@
+"""Shared fixtures. Integration tests need the real models in models/ (`make test` pulls them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+TARGET = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+DRAFT = MODELS / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+SMOLLM = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def require(path: Path) -> Path:
+    """Integration tests fail (not skip) without their model: `make test` is meant to pull it."""
+    if not path.exists():
+        pytest.fail(f"{path.name} missing: run `homespec models pull --with-test-models`")
+    return path

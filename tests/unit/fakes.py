@@ -1,0 +1,68 @@
+"""A scripted stand-in for Runtime: logits are a deterministic function of the context.
+
+It keeps the same contract as homespec.runtime.Runtime (tokens held in the cache, eval appends,
+truncate, sync with prefix reuse), so the engine and proposers run unchanged on it, without
+weights and without llama.cpp's batch noise.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from homespec.runtime import ContextFull, common_prefix
+
+
+class FakeRuntime:
+    def __init__(self, vocab: int = 64, n_ctx: int = 512, eos: int | None = None, order: int = 2, seed: int = 0,
+                 sharpness: float = 3.0) -> None:
+        self.n_vocab = vocab
+        self.n_ctx = n_ctx
+        self.eos = eos
+        self.order = order  # logits depend on the last `order` tokens
+        self.seed = seed
+        self.sharpness = sharpness  # scale of the logits: higher = more peaked distributions
+        self.tokens: list[int] = []
+        self.evals: list[int] = []  # batch sizes of every eval call (for cost accounting in tests)
+
+    def logits_after(self, context: Sequence[int]) -> np.ndarray:  # [vocab]
+        key = zlib.crc32(np.asarray([self.seed, *context[-self.order:]], dtype=np.int64).tobytes())
+        z = np.random.default_rng(key).normal(size=self.n_vocab).astype(np.float32) * self.sharpness
+        if self.eos is not None:
+            z[self.eos] -= 4.0  # rare, but reachable
+        return z
+
+    def eval(self, tokens: Sequence[int], output: str = "all") -> np.ndarray:
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ContextFull(len(self.tokens) + len(tokens), self.n_ctx)
+        rows = []
+        for t in tokens:
+            self.tokens.append(int(t))
+            rows.append(self.logits_after(self.tokens))
+        self.evals.append(len(tokens))
+        if output == "none" or not rows:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        return np.stack(rows[-1:] if output == "last" else rows)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+    def sync(self, context: Sequence[int], output: str = "last") -> np.ndarray:
+        keep = common_prefix(self.tokens, context)
+        if output != "none":
+            keep = min(keep, len(context) - 1)
+        self.truncate(keep)
+        return self.eval(context[keep:], output)
+
+    def is_eog(self, token: int) -> bool:
+        return token == self.eos
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        if token == self.eos:
+            return b""
+        return chr(ord("a") + token % 26).encode() if token < 26 else f"[{token}]".encode()
+
+    def close(self) -> None:
+        pass

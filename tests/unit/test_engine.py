@@ -1,0 +1,164 @@
+"""The generation loop on a scripted model: exactness, stop conditions, cache invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from homespec.engine import Engine, FixedPolicy, GenerationStats, PromptTooLong
+from homespec.proposers.draft import DraftProposer
+from homespec.proposers.ngram import NgramProposer
+from homespec.sampling import SamplingParams
+
+from .fakes import FakeRuntime
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]
+
+
+def make_engine(target_seed=0, draft_seed=None, **kw):
+    target = FakeRuntime(seed=target_seed, **kw)
+    proposers = {"ngram": NgramProposer(1, 3)}
+    if draft_seed is not None:
+        proposers["draft"] = DraftProposer(FakeRuntime(seed=draft_seed, **kw), target.n_vocab)
+    return Engine(target, proposers)
+
+
+def run(engine, prompt=PROMPT, policy=None, **kw):
+    st = GenerationStats()
+    events = list(engine.generate(prompt, policy=policy, stats=st, **kw))
+    tokens = [t for e in events for t in e.tokens]
+    text = "".join(e.text for e in events)
+    return tokens, text, events, st
+
+
+def plain(prompt=PROMPT, **kw):
+    return run(make_engine(), prompt, FixedPolicy(), **kw)
+
+
+@pytest.mark.parametrize(
+    "proposer, draft_seed, k",
+    [("draft", 0, 4), ("draft", 0, 1), ("draft", 7, 3), ("ngram", None, 4), ("ngram", None, 8)],
+    ids=["perfect-draft-k4", "perfect-draft-k1", "wrong-draft-k3", "ngram-k4", "ngram-k8"],
+)
+def test_greedy_output_matches_plain_decoding(proposer, draft_seed, k):
+    ref, ref_text, _, _ = plain(max_tokens=60)
+    eng = make_engine(draft_seed=draft_seed if draft_seed is not None else 1)
+    out, text, _, st = run(eng, policy=FixedPolicy(proposer, k), max_tokens=60)
+    assert out == ref and text == ref_text
+    assert st.proposed > 0
+
+
+def test_self_speculation_accepts_every_proposed_token():
+    eng = make_engine(draft_seed=0)  # the draft is the target
+    _, _, _, st = run(eng, policy=FixedPolicy("draft", 4), max_tokens=41)
+    assert st.accepted == st.proposed > 0
+    assert st.acceptance_length == pytest.approx(5.0)
+
+
+def test_wrong_draft_still_emits_one_token_per_step():
+    eng = make_engine(draft_seed=99)
+    _, _, _, st = run(eng, policy=FixedPolicy("draft", 3), max_tokens=30)
+    assert st.steps >= 1 and st.acceptance_length >= 1.0
+    assert st.completion_tokens == 30
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.9)])
+def test_sampled_output_is_reproducible_with_seed(temperature, top_p):
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=11)
+    a, _, _, _ = run(make_engine(draft_seed=3), policy=FixedPolicy("draft", 3), params=params, max_tokens=40)
+    b, _, _, _ = run(make_engine(draft_seed=3), policy=FixedPolicy("draft", 3), params=params, max_tokens=40)
+    c, _, _, _ = run(make_engine(draft_seed=3), policy=FixedPolicy("draft", 3), params=SamplingParams(temperature=temperature, top_p=top_p, seed=12), max_tokens=40)
+    assert a == b and a != c
+
+
+def test_sampled_speculative_tokens_always_have_target_support():
+    """Every emitted token must be possible under the target's truncated distribution."""
+    params = SamplingParams(temperature=0.8, top_k=3, seed=5)
+    eng = make_engine(draft_seed=4)
+    out, _, _, _ = run(eng, policy=FixedPolicy("draft", 4), params=params, max_tokens=50)
+    ref = FakeRuntime(seed=0)
+    ctx = list(PROMPT)
+    for tok in out:
+        z = ref.logits_after(ctx)
+        assert tok in set(np.argsort(-z)[:3]), "token outside the target's top-k"
+        ctx.append(tok)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
+def test_max_tokens_respected_even_mid_step(max_tokens):
+    out, _, events, st = run(make_engine(draft_seed=0), policy=FixedPolicy("draft", 5), max_tokens=max_tokens)
+    assert len(out) == max_tokens == st.completion_tokens
+    assert events[-1].finish_reason == "length"
+
+
+def test_stop_string_spanning_steps_is_never_emitted():
+    ref_tokens, ref_text, _, _ = plain(max_tokens=60)
+    stop = ref_text[20:23]  # three characters from the middle of the plain output
+    first = ref_text.index(stop)
+    for policy in (FixedPolicy(), FixedPolicy("draft", 4)):
+        _, text, events, _ = run(make_engine(draft_seed=0), policy=policy, max_tokens=60, stop=[stop])
+        assert text == ref_text[:first]
+        assert events[-1].finish_reason == "stop"
+
+
+def test_eos_ends_generation_without_emitting_its_text():
+    eng = make_engine(eos=5)
+    out, text, events, _ = run(eng, policy=FixedPolicy(), max_tokens=2000)
+    assert events[-1].finish_reason in ("stop", "context")
+    if events[-1].finish_reason == "stop":
+        assert out[-1] == 5 and "[5]" not in text and 5 not in out[:-1]
+
+
+def test_full_context_stops_with_a_reason_not_an_exception():
+    eng = make_engine(draft_seed=0, n_ctx=40)
+    out, _, events, st = run(eng, policy=FixedPolicy("draft", 8), max_tokens=1000)
+    assert events[-1].finish_reason == "context"
+    assert len(PROMPT) + len(out) == 40
+
+
+def test_prompt_longer_than_context_is_refused_before_any_work():
+    eng = make_engine(n_ctx=10)
+    with pytest.raises(PromptTooLong):
+        eng.generate(PROMPT, max_tokens=5)
+
+
+def test_target_cache_holds_all_committed_tokens_but_the_last_after_every_step():
+    eng = make_engine(draft_seed=2)
+    ctx = list(PROMPT)
+    for ev in eng.generate(PROMPT, policy=FixedPolicy("draft", 3), max_tokens=30):
+        ctx += ev.tokens
+        assert eng.target.tokens == ctx[:-1]
+
+
+def test_draft_catches_up_in_one_batch_and_never_reevaluates_the_prompt():
+    eng = make_engine(draft_seed=0)
+    draft_rt = eng.proposers["draft"].rt
+    run(eng, policy=FixedPolicy("draft", 3), max_tokens=20)
+    # begin() evaluates the prompt once; afterwards every call is a catch-up batch of 1-2 tokens
+    # (bonus, plus the last accepted when all were accepted) or a single drafting pass.
+    assert draft_rt.evals[0] == len(PROMPT) - 1
+    assert max(draft_rt.evals[1:]) <= 2
+
+
+def test_second_request_with_shared_prefix_reuses_the_cache():
+    eng = make_engine()
+    first, _, _, _ = run(eng, policy=FixedPolicy(), max_tokens=5)
+    follow_up = PROMPT + first + [7, 7]
+    _, _, _, st = run(eng, prompt=follow_up, policy=FixedPolicy(), max_tokens=5)
+    assert st.cached_tokens == len(PROMPT) + len(first) - 1  # all but the last emitted token
+    fresh, _, _, _ = run(make_engine(), prompt=follow_up, policy=FixedPolicy(), max_tokens=5)
+    again, _, _, _ = run(eng, prompt=follow_up, policy=FixedPolicy(), max_tokens=5)
+    assert again == fresh
+
+
+def test_closing_the_stream_mid_generation_leaves_a_consistent_cache():
+    eng = make_engine(draft_seed=0)
+    gen = eng.generate(PROMPT, policy=FixedPolicy("draft", 4), max_tokens=50)
+    ctx = list(PROMPT)
+    for _, ev in zip(range(3), gen):
+        ctx += ev.tokens
+    gen.close()
+    assert eng.target.tokens == ctx[:-1]
+    out, _, _, _ = run(eng, policy=FixedPolicy("draft", 4), max_tokens=20)
+    ref, _, _, _ = plain(max_tokens=20)
+    assert out == ref

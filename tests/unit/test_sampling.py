@@ -1,0 +1,101 @@
+"""The shared logits -> probabilities transform."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from homespec.sampling import SamplingParams, choose, penalize, probabilities, sample, target_view
+
+
+def test_temperature_zero_is_argmax_point_mass():
+    z = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    p = probabilities(z, SamplingParams(temperature=0))
+    assert p.tolist() == [0, 1, 0, 0]
+
+
+def test_temperature_one_is_softmax():
+    z = np.array([1.0, 2.0, 3.0])
+    p = probabilities(z, SamplingParams(temperature=1.0))
+    e = np.exp(z - 3)
+    assert np.allclose(p, e / e.sum())
+
+
+def test_lower_temperature_sharpens_distribution():
+    z = np.array([1.0, 2.0, 3.0])
+    hot = probabilities(z, SamplingParams(temperature=2.0))
+    cold = probabilities(z, SamplingParams(temperature=0.5))
+    assert cold[2] > hot[2] and cold[0] < hot[0]
+
+
+def test_top_k_keeps_exactly_k_most_likely():
+    z = np.array([5.0, 1.0, 4.0, 3.0, 2.0])
+    p = probabilities(z, SamplingParams(temperature=1.0, top_k=2))
+    assert set(np.flatnonzero(p)) == {0, 2}
+    assert p.sum() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_nucleus_reaching_mass():
+    p0 = np.array([0.5, 0.3, 0.15, 0.05])
+    z = np.log(p0)
+    p = probabilities(z, SamplingParams(temperature=1.0, top_p=0.8))
+    assert set(np.flatnonzero(p)) == {0, 1}  # 0.5 + 0.3 reaches 0.8
+    p = probabilities(z, SamplingParams(temperature=1.0, top_p=0.81))
+    assert set(np.flatnonzero(p)) == {0, 1, 2}
+
+
+def test_top_p_on_large_vocab_matches_full_sort():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=50_000) * 0.3  # flat: the nucleus is far beyond the first candidate set
+    p = probabilities(z, SamplingParams(temperature=1.0, top_p=0.9))
+    full = np.exp(z - z.max())
+    full /= full.sum()
+    order = np.argsort(-full)
+    n_keep = int(np.searchsorted(np.cumsum(full[order]), 0.9)) + 1
+    assert set(np.flatnonzero(p)) == set(order[:n_keep])
+
+
+def test_min_p_drops_tokens_below_fraction_of_top():
+    p0 = np.array([0.6, 0.3, 0.06, 0.04])
+    p = probabilities(np.log(p0), SamplingParams(temperature=1.0, min_p=0.1))
+    assert set(np.flatnonzero(p)) == {0, 1}
+
+
+def test_repetition_penalty_lowers_recent_tokens_whatever_the_sign():
+    z = np.array([2.0, -2.0, 1.0], dtype=np.float32)
+    out = penalize(z, SamplingParams(repetition_penalty=2.0), [0, 1])
+    assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_presence_and_frequency_penalties_follow_openai_definition():
+    z = np.zeros(3, dtype=np.float32)
+    out = penalize(z, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [1, 1, 1, 2])
+    assert out.tolist() == pytest.approx([0.0, -0.5 - 0.75, -0.5 - 0.25])
+
+
+def test_penalties_only_see_the_last_n_tokens():
+    z = np.zeros(3, dtype=np.float32)
+    params = SamplingParams(presence_penalty=1.0, penalty_last_n=2)
+    assert choose(z, params, [0, 0, 1, 2], np.random.default_rng(0)) == 0  # 0 is outside the window
+
+
+def test_target_view_applies_penalties_with_proposed_tokens_in_history():
+    logits = np.zeros((3, 4), dtype=np.float32)
+    logits[:, 1] = 1.0  # token 1 is the plain argmax everywhere
+    params = SamplingParams(presence_penalty=2.0)
+    view = target_view(logits, params, context=[0], continuation=[1, 2])
+    # Row 0 has not seen token 1; rows 1 and 2 have (it was proposed), so it loses there.
+    assert view[0] == 1 and view[1] != 1 and view[2] != 1
+
+
+def test_sample_never_draws_a_zero_probability_token():
+    rng = np.random.default_rng(5)
+    p = np.array([0.0, 0.5, 0.0, 0.5])
+    draws = {sample(p, rng) for _ in range(2000)}
+    assert draws == {1, 3}
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0), ("top_k", -1)])
+def test_out_of_range_parameters_are_refused_with_their_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
