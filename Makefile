@@ -6,9 +6,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
-# llama-cpp-python compiles llama.cpp from source (~10 min on 2 cores the first time; pip caches
-# the wheel). For an NVIDIA GPU:  make serve CMAKE_ARGS=-DGGML_CUDA=on
-export CMAKE_ARGS
+# llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time; pip
+# caches the wheel). The default build targets AVX2 instead of -march=native: a native build on a
+# CPU that advertises AMX uses AMX tiles, which fault inside VMs that do not enable them
+# (measured here: SIGSEGV at ldtilecfg in ggml_backend_amx_mul_mat), and a native wheel from
+# pip's cache would not run on an older CPU. For an NVIDIA GPU:
+#     make serve LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) $(CMAKE_ARGS)
 
 .PHONY: serve test install models test-models bench dashboard clean
 

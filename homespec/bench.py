@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import yaml
 
-from homespec.controller import AcceptanceModel, Controller
+from homespec.controller import Controller, expected_emitted
 from homespec.engine import FixedPolicy, GenerationStats, StepStats
 from homespec.sampling import SamplingParams
 from homespec.session import Session
@@ -203,11 +203,10 @@ def predicted_gain(controller: Controller, proposer: str, k: int, position_accep
     of the model the controller decides with."""
     if proposer in ("none", "off") or k == 0 or not controller.cost.calibrated():
         return None
-    acc = AcceptanceModel(k, alpha=0.0, prior=0.0)
-    rates = acc.rates((proposer, 0))
+    rates = np.zeros(k)
     n = min(k, len(position_acceptance))
     rates[:n] = position_acceptance[:n]
-    emitted = acc.expected_emitted((proposer, 0))[k]
+    emitted = expected_emitted(rates)[k]
     seconds = controller.cost.verify(k + 1) + controller.cost.propose(proposer, k)
     return float(emitted / seconds * controller.cost.verify(1))
 
@@ -249,7 +248,10 @@ def run_bench(
             prefill_s += time.perf_counter() - t0
             prefill_tokens += len(tokens)
             if reference is not None:
-                reference.complete(tokens, 1)  # prime its own cache alike
+                # Prime its cache alike. Two tokens, not one: with exactly the prompt cached,
+                # llama-cpp-python samples the first token from saved logits without a pass,
+                # which would hand it one pass for free against every other arm.
+                reference.complete(tokens, 2)
             plain_text: str | None = None
             for arm in arms:
                 run = _run_arm(session, arm, tokens, greedy, max_tokens, reference)

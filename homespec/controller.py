@@ -56,6 +56,7 @@ class CostModel:
         self.alpha = alpha
         self.verify_s = np.full(n_max + 1, np.nan)  # [n_max + 1], index n = tokens in the pass
         self.propose_s: dict[str, float] = {}  # proposer -> seconds per proposed token
+        self.catchup_s: dict[str, float] = {}  # proposer -> seconds per token caught up (prefill-like)
 
     def set_verify(self, samples: Mapping[int, float]) -> None:
         """Calibration: seconds per pass at measured sizes; the rest is interpolated."""
@@ -79,41 +80,72 @@ class CostModel:
         return self.propose_s.get(proposer, 0.0) * k
 
     def observe_propose(self, proposer: str, k: int, seconds: float) -> None:
-        if k <= 0:
-            return
-        per = seconds / k
-        old = self.propose_s.get(proposer)
-        self.propose_s[proposer] = per if old is None else old + self.alpha * (per - old)
+        if k > 0:
+            _ewma(self.propose_s, proposer, seconds / k, self.alpha)
+
+    def observe_catchup(self, proposer: str, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            _ewma(self.catchup_s, proposer, seconds / tokens, self.alpha)
+
+
+def _ewma(d: dict[str, float], key: str, x: float, alpha: float) -> None:
+    old = d.get(key)
+    d[key] = x if old is None else old + alpha * (x - old)
 
 
 class AcceptanceModel:
-    """a_i per (proposer, bucket): P(position i accepted | all before it accepted), EWMA."""
+    """a_i per (proposer, bucket): P(position i accepted | all before it accepted).
+
+    Each position keeps the mean of its outcomes (a plain mean for the first 1/alpha
+    observations, an EWMA afterwards, so it forgets an old workload). Decisions use a shrunk
+    estimate: position i is pulled towards position i - 1 by SHRINK pseudo-observations, and
+    position 1 towards the prior. A rarely tested deep position thus inherits its shallower
+    neighbour's rate instead of a fixed prior, so k can grow when every drafted token passes —
+    and one unlucky observation cannot pin k down.
+    """
+
+    SHRINK = 2.0  # pseudo-observations pulling a position towards the one before it
 
     def __init__(self, k_max: int, alpha: float, prior: float) -> None:
         self.k_max, self.alpha, self.prior = k_max, alpha, prior
-        self._a: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] conditional acceptance
+        self._mean: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observed acceptance
         self._n: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observations
 
-    def rates(self, key: tuple[str, int]) -> np.ndarray:
-        if key not in self._a:
-            self._a[key] = np.full(self.k_max, self.prior)
+    def _arrays(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self._mean:
+            self._mean[key] = np.zeros(self.k_max)
             self._n[key] = np.zeros(self.k_max, dtype=np.int64)
-        return self._a[key]
+        return self._mean[key], self._n[key]
 
     def observations(self, key: tuple[str, int]) -> int:
         return int(self._n[key][0]) if key in self._n else 0
 
     def observe(self, key: tuple[str, int], outcomes: Sequence[bool], alpha: float | None = None) -> None:
-        a, n = self.rates(key), self._n[key]
+        mean, n = self._arrays(key)
         for i, ok in enumerate(outcomes[: self.k_max]):
-            # Early on, a plain mean converges faster than the EWMA; later the EWMA forgets.
-            w = max(alpha or self.alpha, 1.0 / (n[i] + 2))
-            a[i] += w * (float(ok) - a[i])
+            w = max(alpha or self.alpha, 1.0 / (n[i] + 1))
+            mean[i] += w * (float(ok) - mean[i])
             n[i] += 1
+
+    def rates(self, key: tuple[str, int]) -> np.ndarray:
+        """[k_max] the shrunk conditional acceptance used for decisions."""
+        mean, n = self._arrays(key)
+        weight = np.minimum(n, 1.0 / self.alpha)  # an EWMA remembers ~1/alpha observations
+        out = np.empty(self.k_max)
+        prev = self.prior
+        for i in range(self.k_max):
+            prev = out[i] = (weight[i] * mean[i] + self.SHRINK * prev) / (weight[i] + self.SHRINK)
+        return out
 
     def expected_emitted(self, key: tuple[str, int]) -> np.ndarray:
         """[k_max + 1]: E[tokens emitted by a step] for k = 0..k_max."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates(key)))])
+        return expected_emitted(self.rates(key))
+
+
+def expected_emitted(rates: np.ndarray) -> np.ndarray:
+    """Conditional acceptance a [k] -> E[emitted tokens] [k + 1] for k = 0..len(a):
+    E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i (the bonus token plus each accepted prefix)."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(rates))])
 
 
 @dataclass(frozen=True)
@@ -153,7 +185,7 @@ class Controller:
         k_max: int = 16,
         ngram_buckets: tuple[int, int] = (2, 5),
         ngram_peek: Callable[[Sequence[int], int], tuple[list[int], int]] | None = None,
-        greedy: bool = True,
+        lag: Callable[[str, Sequence[int]], int] | None = None,
     ) -> None:
         self.proposers = [p for p in proposers if p != PLAIN]
         self.cfg = cfg
@@ -162,6 +194,7 @@ class Controller:
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, cfg.prior_acceptance)
         self.ngram_buckets = ngram_buckets
         self.ngram_peek = ngram_peek  # (context, k) -> (continuation, match length)
+        self.lag = lag  # (proposer, context) -> tokens it must catch up on before proposing
         self.step_no = 0
         self.last_tried: dict[str, int] = {p: 0 for p in self.proposers}
         self.total_s = 0.0
@@ -197,7 +230,7 @@ class Controller:
         if best.proposer != PLAIN and best.rate < self.cfg.min_gain * plain.rate:
             best = plain
         reason = self._reason(best, plain)
-        probe = self._probe(best, best_of)
+        probe = self._probe(best, best_of, context)
         if probe is not None:
             reason = f"probe {probe.proposer} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
             best = probe
@@ -212,14 +245,15 @@ class Controller:
         n = step.proposed + 1
         self.cost.observe_verify(n, step.verify_s)
         catchup = float(step.info.get("catchup_s", 0.0))
+        if catchup:
+            self.cost.observe_catchup(step.proposer, int(step.info.get("catchup_tokens", 0)), catchup)
         if step.proposer != PLAIN and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             bucket = self._bucket_of_step(step)
             probing = self._pending is not None and self._pending[2]
             self.acc.observe((step.proposer, bucket), step.outcomes, PROBE_EWMA if probing else None)
-            if probing:
-                plain_s = step.emitted * self.cost.verify(1)
-                self.explore_s += max(0.0, step.seconds - plain_s)
+            if probing:  # what the probe cost beyond plain decoding of the same tokens
+                self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
                 self.view.probes += 1
         self.total_s += step.seconds
         rate = step.emitted / step.seconds if step.seconds > 0 else 0.0
@@ -271,9 +305,11 @@ class Controller:
             best[p] = max(cands, key=lambda c: c.rate)
         return best
 
-    def _probe(self, best: Candidate, best_of: Mapping[str, Candidate]) -> Candidate | None:
-        if self.total_s > 0 and self.explore_s > EXPLORE_BUDGET * self.total_s:
-            return None
+    def _probe(self, best: Candidate, best_of: Mapping[str, Candidate], context: Sequence[int]) -> Candidate | None:
+        """One step with a proposer untried for explore_every steps, if the exploration budget
+        (EXPLORE_BUDGET of all generation time so far) can pay for what it is expected to cost:
+        catching up (a draft that sat out must first read what it missed) plus the step's
+        expected loss against plain decoding."""
         stale = [
             p
             for p in self.proposers
@@ -285,7 +321,13 @@ class Controller:
         c = best_of[p]
         k = max(2, min(c.k, 4)) if p != "ngram" else c.k  # enough positions to learn from, cheaply
         emitted = self.acc.expected_emitted((p, self._bucket(p)))
-        return Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
+        probe = Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
+        lag = self.lag(p, context) if self.lag else 0
+        catchup = lag * self.cost.catchup_s.get(p, self.cost.propose_s.get(p, 0.0))
+        expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * self.cost.verify(1))
+        if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
+            return None
+        return probe
 
     def _reason(self, best: Candidate, plain: Candidate) -> str:
         if best.proposer == PLAIN:

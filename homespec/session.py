@@ -73,9 +73,14 @@ class Session:
             k_max=min(spec.k_max, models.target.n_ctx - 1),
             ngram_buckets=(spec.ngram.n_min, spec.ngram.n_max),
             ngram_peek=getattr(ngram, "match", None),
+            lag=self._lag,
         )
         self.warmup_s = 0.0
         self.calibration: dict[str, dict[int, float]] = {}
+
+    def _lag(self, proposer: str, context: Sequence[int]) -> int:
+        lag = getattr(self.models.engine.proposers.get(proposer), "lag", None)
+        return lag(context) if lag else 0
 
     @classmethod
     def open(cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True) -> "Session":
@@ -125,8 +130,13 @@ class Session:
                 times.append(time.perf_counter() - t)
             draft.truncate(dbase)
             per_token = statistics.median(times[1:])
+            t = time.perf_counter()
+            draft.eval(probe, output="none")  # a catch-up batch: prefill speed
+            catchup = (time.perf_counter() - t) / len(probe)
+            draft.truncate(dbase)
             self.controller.cost.propose_s["draft"] = per_token
-            self.calibration["draft"] = {1: per_token}
+            self.controller.cost.catchup_s["draft"] = catchup
+            self.calibration["draft"] = {1: per_token, len(probe): catchup * len(probe)}
         self.warmup_s = time.perf_counter() - t0
         log.info(
             "warm-up %.1f s: target pass 1 token %.0f ms, %d tokens %.0f ms%s",

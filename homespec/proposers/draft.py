@@ -37,6 +37,10 @@ class DraftProposer:
         self.rt.truncate(keep)
         self.rt.eval(prompt[keep : len(prompt) - 1], output="none")
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of `context` this draft has not read yet (the cost of using it now)."""
+        return len(context) - common_prefix(self.rt.tokens, context)
+
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:

@@ -1,0 +1,105 @@
+"""`homespec bench`: speedup of each proposer and k against plain decoding, measured here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from homespec.cli.common import add_config_argument, config_path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p)
+    p.add_argument("--quick", action="store_true", help="one prompt per workload, short outputs (< 3 min)")
+    p.add_argument("--workload", action="append", choices=("code", "edit", "chat"), help="repeatable; default: all")
+    p.add_argument("--arms", default=None, help="e.g. 'plain,reference,draft:2,ngram:4,auto' (default: all)")
+    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per run (default 128, quick 48)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 3, quick 1)")
+    p.add_argument("--json", type=Path, default=None, help="write results here (default bench-results/<time>.json)")
+    p.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python's own create_completion arm")
+
+
+def main(args: argparse.Namespace) -> int:
+    from homespec.bench import default_arms, load_workloads, parse_arms, run_bench
+    from homespec.config import load_config
+    from homespec.modelset import runtime_options
+    from homespec.runtime import ReferenceDecoder
+    from homespec.session import Session
+
+    cfg = load_config(config_path(args.config))
+    max_tokens = args.max_tokens or (48 if args.quick else 128)
+    prompts = args.prompts or (1 if args.quick else 3)
+    workloads = load_workloads(args.workload or ("code", "edit", "chat"))
+    with Session.open(cfg) as session:
+        names = list(session.models.engine.proposers)
+        arms = parse_arms(args.arms) if args.arms else default_arms(names, reference=not args.no_reference)
+        reference = None
+        if any(a.mode == "reference" for a in arms):
+            reference = ReferenceDecoder(session.models.target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers))
+        t0 = time.perf_counter()
+        report = run_bench(
+            session, workloads, arms, max_tokens, prompts, reference,
+            progress=lambda s: print(f"  {s}", file=sys.stderr),
+        )
+        if reference is not None:
+            reference.close()
+    print(format_report(report))
+    print(f"\nbench took {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    out = args.json or Path("bench-results") / time.strftime("bench-%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report.to_json())
+    print(f"results: {out}", file=sys.stderr)
+    return 0
+
+
+def _f(x: float | None, fmt: str) -> str:
+    width = int(fmt.split(".")[0] or 0)
+    return "—".rjust(width) if x is None else format(x, fmt)
+
+
+def format_report(report) -> str:  # report: bench.BenchReport
+    c = report.config
+    cal = report.calibration.get("target", {})
+    lines = [
+        f"target {c['target']}, draft {c['draft']}; {c['max_tokens']} output tokens per run, greedy; "
+        f"{report.machine['cpu_threads']} threads",
+        "target pass cost (ms): " + ", ".join(f"n={n} {float(s) * 1000:.0f}" for n, s in cal.items()),
+    ]
+    if "draft" in report.calibration:
+        lines.append(f"draft pass cost: {float(report.calibration['draft']['1']) * 1000:.0f} ms/token")
+    header = (
+        f"{'arm':<12} {'tok/s':>6} {'speedup':>7} {'exp.':>5} {'acc.rate':>8} {'acc.len':>7} "
+        f"{'TTFT s':>6} {'draft ms':>8} {'verify ms':>9} {'RSS MiB':>7} {'=plain':>6}  chosen"
+    )
+    by_wl: dict[str, list] = {}
+    for r in report.results:
+        by_wl.setdefault(r.workload, []).append(r)
+    for wl, rows in by_wl.items():
+        lines += ["", f"== {wl} (target prefill {report.prefill.get(wl, 0):.0f} tok/s)", header]
+        for r in rows:
+            ttft = sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else None
+            chosen = ", ".join(f"{k}×{v}" for k, v in sorted(r.chosen.items(), key=lambda kv: -kv[1])[:4]) if r.arm == "auto" else ""
+            same = f"{r.same_as_plain}/{r.runs}" if r.arm != "plain" else ""
+            tok_s = r.tok_s if r.arm != "llama.cpp" else r.e2e_tok_s
+            lines.append(
+                f"{r.arm:<12} {_f(tok_s, '6.2f')} {_f(r.speedup, '6.2f')}{'x' if r.speedup else ' '} {_f(r.expected_gain, '5.2f')} "
+                f"{_f(r.acceptance_rate, '8.2f')} {_f(r.acceptance_length, '7.2f')} {_f(ttft, '6.2f')} "
+                f"{_f(r.draft_ms, '8.1f')} {_f(r.verify_ms, '9.1f')} {r.rss_mib:7.0f} {same:>6}  {chosen}"
+            )
+        plain = next((r for r in rows if r.arm == "plain"), None)
+        ref = next((r for r in rows if r.arm == "llama.cpp"), None)
+        if plain and ref and ref.e2e_tok_s:
+            lines.append(
+                f"our plain loop vs llama-cpp-python create_completion (end to end): "
+                f"{plain.e2e_tok_s:.2f} / {ref.e2e_tok_s:.2f} = {plain.e2e_tok_s / ref.e2e_tok_s:.3f}x"
+            )
+    lines += [
+        "",
+        "tok/s: output tokens after the first per second of decoding (llama.cpp arm: end to end); "
+        "speedup: tok/s ÷ plain tok/s in this run; exp.: gain the cost model predicts from the "
+        "acceptance the arm saw (auto: what the controller expected when choosing); "
+        "=plain: runs whose text equals plain decoding (greedy; near-ties may differ).",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""Real small models, loaded once per session (loading is ~1 s; warm-up pays the page faults)."""
+
+from __future__ import annotations
+
+import pytest
+
+from homespec.runtime import Runtime, RuntimeOptions
+from tests.conftest import DRAFT, TARGET, require
+
+# Small contexts keep the KV cache and the tests light; every prompt here is short.
+OPTS = RuntimeOptions(n_ctx=1024, n_batch=256)
+
+
+@pytest.fixture(scope="session")
+def target_rt():
+    rt = Runtime(require(TARGET), OPTS)
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="session")
+def draft_rt():
+    rt = Runtime(require(DRAFT), OPTS)
+    yield rt
+    rt.close()

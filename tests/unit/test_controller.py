@@ -1,0 +1,154 @@
+"""The controller on a scripted machine: scripted pass costs and scripted acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from homespec.config import ControllerConfig
+from homespec.controller import EXPLORE_BUDGET, Controller
+from homespec.engine import PLAIN, StepStats
+
+K_MAX = 16
+
+
+def cpu_cost(n: int) -> float:
+    """2-core CPU: compute-bound, a pass over n tokens costs ~0.45 of a pass per extra token."""
+    return 0.085 * (1 + 0.45 * (n - 1))
+
+
+def gpu_cost(n: int) -> float:
+    """GPU: memory-bound, the pass cost is nearly flat in n."""
+    return 0.020 * (1 + 0.01 * (n - 1))
+
+
+class Machine:
+    """Plays the steps a controller decides, with Bernoulli acceptance per position."""
+
+    def __init__(self, cost, acceptance: dict[str, float], draft_s: float = 0.02, seed: int = 0, ngram_cont: int = 16):
+        self.cost, self.acceptance, self.draft_s = cost, acceptance, draft_s
+        self.rng = np.random.default_rng(seed)
+        self.ngram_cont = ngram_cont
+        self.ctx = [0] * 10
+
+    def peek(self, context, k):
+        return ([1] * min(k, self.ngram_cont), 5) if self.ngram_cont else ([], 0)
+
+    def controller(self, proposers=("draft", "ngram"), **cfg) -> Controller:
+        c = Controller(list(proposers), ControllerConfig(**cfg), k_max=K_MAX, ngram_peek=self.peek)
+        c.cost.set_verify({n: self.cost(n) for n in range(1, K_MAX + 2)})
+        c.cost.propose_s["draft"] = self.draft_s
+        return c
+
+    def step(self, c: Controller) -> StepStats:
+        d = c.decide(self.ctx)
+        outcomes: list[bool] = []
+        for _ in range(d.k):
+            ok = bool(self.rng.random() < self.acceptance.get(d.proposer, 0.0))
+            outcomes.append(ok)
+            if not ok:
+                break
+        n = sum(outcomes)
+        draft_s = self.draft_s * d.k if d.proposer == "draft" else 0.0
+        s = StepStats(d.proposer, d.k, d.k, n, draft_s, self.cost(d.k + 1), tuple(outcomes), {"match_len": 5.0})
+        c.observe(s)
+        self.ctx += [1] * (n + 1)
+        return s
+
+    def run(self, c: Controller, steps: int) -> list[StepStats]:
+        return [self.step(c) for _ in range(steps)]
+
+
+def test_picks_plain_decoding_when_verification_is_expensive_and_acceptance_low():
+    m = Machine(cpu_cost, {"draft": 0.3, "ngram": 0.2})
+    c = m.controller()
+    steps = m.run(c, 300)
+    late = steps[100:]
+    assert sum(s.proposer == PLAIN for s in late) / len(late) > 0.9
+    assert c.view.proposer == PLAIN and c.view.k == 0
+
+
+def test_picks_large_k_when_verification_is_cheap_and_acceptance_high():
+    m = Machine(gpu_cost, {"draft": 0.9, "ngram": 0.0}, draft_s=0.002, ngram_cont=0)
+    c = m.controller()
+    steps = m.run(c, 200)
+    ks = [s.k for s in steps[50:] if s.proposer == "draft"]
+    assert len(ks) > 100 and np.median(ks) >= 6
+
+
+def test_on_a_cpu_a_perfect_ngram_copy_uses_long_drafts():
+    m = Machine(cpu_cost, {"draft": 0.1, "ngram": 1.0}, ngram_cont=16)
+    c = m.controller()
+    steps = m.run(c, 100)
+    ks = [s.k for s in steps[20:] if s.proposer == "ngram"]
+    assert len(ks) > 70 and np.median(ks) >= 8
+
+
+def test_ngram_without_a_match_is_never_chosen():
+    m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=0)
+    c = m.controller(proposers=("ngram",))
+    assert all(s.proposer == PLAIN for s in m.run(c, 50))
+
+
+def test_ngram_k_is_capped_by_the_continuation_it_has():
+    m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=3)
+    c = m.controller(proposers=("ngram",))
+    assert max(s.k for s in m.run(c, 50)) <= 3
+
+
+def test_switches_speculation_off_within_bounded_steps_after_acceptance_drops():
+    m = Machine(gpu_cost, {"draft": 0.95}, draft_s=0.002, ngram_cont=0)
+    c = m.controller(proposers=("draft",))
+    m.run(c, 100)
+    assert c.view.proposer == "draft"
+    m.acceptance["draft"] = 0.0
+    steps = m.run(c, 60)
+    first_plain = next(i for i, s in enumerate(steps) if s.proposer == PLAIN)
+    assert first_plain <= 30, f"still drafting {first_plain} steps after acceptance fell to 0"
+
+
+def test_returns_to_speculation_within_bounded_steps_after_acceptance_recovers():
+    m = Machine(cpu_cost, {"draft": 0.0}, draft_s=0.01, ngram_cont=0)
+    c = m.controller(proposers=("draft",), explore_every=16)
+    m.run(c, 200)
+    assert c.view.proposer == PLAIN
+    m.acceptance["draft"] = 1.0
+    steps = m.run(c, 400)
+    first_streak = next(
+        (i for i in range(len(steps) - 5) if all(s.proposer == "draft" for s in steps[i : i + 5])), None
+    )
+    assert first_streak is not None and first_streak <= 300, "never went back to drafting"
+
+
+def test_exploration_costs_at_most_its_budget():
+    m = Machine(cpu_cost, {"draft": 0.0, "ngram": 0.0}, draft_s=0.03)
+    c = m.controller(explore_every=4)
+    m.run(c, 1000)
+    probe_cap = c.cost.verify(5) + 4 * 0.03  # the most one probe can overshoot by
+    assert c.explore_s <= EXPLORE_BUDGET * c.total_s + probe_cap
+    assert c.view.probes > 0
+
+
+def test_decisions_are_deterministic_for_the_same_observations():
+    runs = []
+    for _ in range(2):
+        m = Machine(cpu_cost, {"draft": 0.6, "ngram": 0.7}, seed=3)
+        c = m.controller(explore_every=8)
+        runs.append([(s.proposer, s.k) for s in m.run(c, 300)])
+    assert runs[0] == runs[1]
+
+
+def test_uncalibrated_controller_decodes_plainly():
+    c = Controller(["draft"], ControllerConfig(), k_max=K_MAX)
+    assert c.decide([1, 2, 3]).proposer == PLAIN
+
+
+def test_view_reports_baseline_speedup_and_gain_per_k():
+    m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=16)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 80)
+    v = c.view
+    assert v.baseline_tps == pytest.approx(1 / cpu_cost(1))
+    assert v.speedup is not None and v.speedup > 1.2
+    assert len(v.gains["ngram"]) == K_MAX and max(v.gains["ngram"]) > 1.2
+    assert "ngram" in v.reason and "x plain" in v.reason
