@@ -71,8 +71,9 @@ class RuntimeConfig(_Strict):
 class NgramConfig(_Strict):
     # Matches shorter than 2 tokens are mostly noise (common tokens like "\n" or " the").
     n_min: int = Field(2, ge=1, le=16, description="Shortest suffix n-gram to look up")
-    # Longer suffixes are more specific; beyond ~5 tokens the gain in precision is negligible.
-    n_max: int = Field(5, ge=1, le=32, description="Longest suffix n-gram to look up")
+    # Long matches mark copying (an edit, a quote), where long drafts pay; the controller
+    # tracks acceptance per match length, so the lookup must be able to see them.
+    n_max: int = Field(12, ge=1, le=32, description="Longest suffix n-gram to look up")
 
     @model_validator(mode="after")
     def _ordered(self) -> "NgramConfig":

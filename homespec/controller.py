@@ -46,6 +46,8 @@ from homespec.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, Ste
 EXPLORE_BUDGET = 0.03
 # Probes move the estimate faster than regular steps: a probe is rare, so each must count.
 PROBE_EWMA = 0.35
+# ngram acceptance is tracked per match length 2..8; 8 stands for "8 or more" (copying).
+NGRAM_TOP_BUCKET = 8
 
 
 class CostModel:
@@ -106,8 +108,9 @@ class AcceptanceModel:
 
     SHRINK = 2.0  # pseudo-observations pulling a position towards the one before it
 
-    def __init__(self, k_max: int, alpha: float, prior: float) -> None:
-        self.k_max, self.alpha, self.prior = k_max, alpha, prior
+    def __init__(self, k_max: int, alpha: float, prior: float | Callable[[tuple[str, int]], float]) -> None:
+        self.k_max, self.alpha = k_max, alpha
+        self.prior = prior if callable(prior) else (lambda key: prior)
         self._mean: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observed acceptance
         self._n: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observations
 
@@ -132,7 +135,7 @@ class AcceptanceModel:
         mean, n = self._arrays(key)
         weight = np.minimum(n, 1.0 / self.alpha)  # an EWMA remembers ~1/alpha observations
         out = np.empty(self.k_max)
-        prev = self.prior
+        prev = self.prior(key)
         for i in range(self.k_max):
             prev = out[i] = (weight[i] * mean[i] + self.SHRINK * prev) / (weight[i] + self.SHRINK)
         return out
@@ -183,7 +186,7 @@ class Controller:
         proposers: Sequence[str],
         cfg: ControllerConfig = ControllerConfig(),
         k_max: int = 16,
-        ngram_buckets: tuple[int, int] = (2, 5),
+        ngram_min: int = 2,
         ngram_peek: Callable[[Sequence[int], int], tuple[list[int], int]] | None = None,
         lag: Callable[[str, Sequence[int]], int] | None = None,
     ) -> None:
@@ -191,8 +194,8 @@ class Controller:
         self.cfg = cfg
         self.k_max = k_max
         self.cost = CostModel(k_max + 1, cfg.cost_ewma)
-        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, cfg.prior_acceptance)
-        self.ngram_buckets = ngram_buckets
+        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior)
+        self.ngram_min = ngram_min
         self.ngram_peek = ngram_peek  # (context, k) -> (continuation, match length)
         self.lag = lag  # (proposer, context) -> tokens it must catch up on before proposing
         self.step_no = 0
@@ -200,8 +203,7 @@ class Controller:
         self.total_s = 0.0
         self.explore_s = 0.0  # time lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
-        self._pending: tuple[str, int, bool] | None = None  # (proposer, bucket, is_probe) of the decided step
-        self._peek: tuple[list[int], int] = ([], 0)
+        self._probing: tuple[str, int] | None = None  # (proposer, k) of a decided probe step
 
     # -- SpeculationPolicy -----------------------------------------------------------------
 
@@ -209,49 +211,49 @@ class Controller:
         return set(self.proposers)
 
     def proposers_to_prefill(self) -> set[str]:
-        """Prefill only proposers that currently pay (a draft prefill costs TTFT for nothing
-        otherwise); others catch up lazily if a probe picks them."""
-        best = self._best_per_proposer(None)
+        """Prefill only model proposers that currently pay (a draft prefill costs TTFT for
+        nothing otherwise); the others catch up if a probe picks them."""
         plain = self._plain()
-        return {p for p, c in best.items() if p != "ngram" and c.rate >= self.cfg.min_gain * plain.rate}
+        return {
+            p
+            for p in self.proposers
+            if p != "ngram" and self._best(p, self.k_max, (p, 0)).rate >= self.cfg.min_gain * plain.rate
+        }
 
     def decide(self, context: Sequence[int]) -> Decision:
         self.step_no += 1
+        self._probing = None
         if not self.cost.calibrated():
-            self._pending = None
             return Decision(PLAIN, 0)
-        if "ngram" in self.proposers and self.ngram_peek is not None:
-            self._peek = self.ngram_peek(context, self.k_max)
-        else:
-            self._peek = ([], 0)
         plain = self._plain()
-        best_of = self._best_per_proposer(self._peek)
+        options = self._options(context)  # proposer -> (key, k available)
+        best_of = {p: self._best(p, k_avail, key) for p, (key, k_avail) in options.items()}
         best = max([plain, *best_of.values()], key=lambda c: c.rate)
         if best.proposer != PLAIN and best.rate < self.cfg.min_gain * plain.rate:
             best = plain
         reason = self._reason(best, plain)
-        probe = self._probe(best, best_of, context)
+        probe = self._probe(best, options, context)
         if probe is not None:
-            reason = f"probe {probe.proposer} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
+            reason = f"probe {probe.proposer} k={probe.k} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
             best = probe
-        self._record(best, plain, best_of, reason)
-        bucket = self._bucket(best.proposer)
-        self._pending = (best.proposer, bucket, probe is not None)
+            self._probing = (probe.proposer, probe.k)
+        self._record(best, plain, options, reason)
         if best.proposer != PLAIN:
             self.last_tried[best.proposer] = self.step_no
         return Decision(best.proposer, best.k)
 
     def observe(self, step: StepStats) -> None:
-        n = step.proposed + 1
-        self.cost.observe_verify(n, step.verify_s)
+        """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
+        self.cost.observe_verify(step.proposed + 1, step.verify_s)
         catchup = float(step.info.get("catchup_s", 0.0))
         if catchup:
             self.cost.observe_catchup(step.proposer, int(step.info.get("catchup_tokens", 0)), catchup)
+        probing = self._probing == (step.proposer, step.k)
+        self._probing = None
         if step.proposer != PLAIN and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
-            bucket = self._bucket_of_step(step)
-            probing = self._pending is not None and self._pending[2]
-            self.acc.observe((step.proposer, bucket), step.outcomes, PROBE_EWMA if probing else None)
+            key = self._key(step.proposer, int(step.info.get("match_len", 0)))
+            self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
                 self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
                 self.view.probes += 1
@@ -261,70 +263,76 @@ class Controller:
         v.effective_tps = rate if v.effective_tps is None else v.effective_tps + 0.05 * (rate - v.effective_tps)
         if v.baseline_tps:
             v.speedup = v.effective_tps / v.baseline_tps
-        key = f"{step.proposer}:{step.k}"
-        v.chosen[key] = v.chosen.get(key, 0) + 1
+        choice = f"{step.proposer}:{step.k}"
+        v.chosen[choice] = v.chosen.get(choice, 0) + 1
 
     # -- internals -------------------------------------------------------------------------
+
+    def _key(self, proposer: str, match_len: int) -> tuple[str, int]:
+        """Acceptance is tracked per proposer, and for ngram per match length: a match of 8+
+        tokens means the output is copying (an edit), a 2-token match is often a coincidence."""
+        if proposer != "ngram":
+            return (proposer, 0)
+        return (proposer, min(max(match_len, self.ngram_min), NGRAM_TOP_BUCKET))
+
+    def _prior(self, key: tuple[str, int]) -> float:
+        """Acceptance assumed before any observation. For ngram it rises with the match length
+        (prior p at length 2, then 1 - (1 - p) * 2 / m): long matches get tried at once, which
+        is what finds an editing workload quickly; data replaces the prior within a few steps."""
+        p = self.cfg.prior_acceptance
+        if key[0] == "ngram" and key[1] > 2:
+            return 1.0 - (1.0 - p) * 2.0 / key[1]
+        return p
+
+    def _options(self, context: Sequence[int]) -> dict[str, tuple[tuple[str, int], int]]:
+        """Proposers usable now: acceptance key and the largest k each can offer."""
+        out: dict[str, tuple[tuple[str, int], int]] = {}
+        for p in self.proposers:
+            if p == "ngram":
+                if self.ngram_peek is None:
+                    continue
+                cont, match_len = self.ngram_peek(context, self.k_max)
+                if cont:  # no match: nothing to propose
+                    out[p] = (self._key(p, match_len), len(cont))
+            else:
+                out[p] = ((p, 0), self.k_max)
+        return out
 
     def _plain(self) -> Candidate:
         return Candidate(PLAIN, 0, 1.0, self.cost.verify(1))
 
-    def _bucket(self, proposer: str) -> int:
-        if proposer != "ngram":
-            return 0
-        lo, hi = self.ngram_buckets
-        return min(max(self._peek[1], lo), hi)
+    def _candidate(self, p: str, k: int, emitted: np.ndarray) -> Candidate:
+        return Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
 
-    def _bucket_of_step(self, step: StepStats) -> int:
-        if step.proposer != "ngram":
-            return 0
-        lo, hi = self.ngram_buckets
-        return min(max(int(step.info.get("match_len", lo)), lo), hi)
+    def _best(self, p: str, k_avail: int, key: tuple[str, int], rates: np.ndarray | None = None) -> Candidate:
+        emitted = expected_emitted(self.acc.rates(key) if rates is None else rates)  # [k_max + 1]
+        return max((self._candidate(p, k, emitted) for k in range(1, k_avail + 1)), key=lambda c: c.rate)
 
-    def _best_per_proposer(self, peek: tuple[list[int], int] | None) -> dict[str, Candidate]:
-        """For each proposer, its best k. ngram is limited to the continuation it has now
-        (peek None: assume a full-length continuation of the longest bucket)."""
-        best: dict[str, Candidate] = {}
-        for p in self.proposers:
-            if p == "ngram":
-                if peek is None:
-                    k_avail, bucket = self.k_max, self.ngram_buckets[1]
-                else:
-                    k_avail = len(peek[0])
-                    lo, hi = self.ngram_buckets
-                    bucket = min(max(peek[1], lo), hi)
-                if k_avail == 0:
-                    continue
-            else:
-                k_avail, bucket = self.k_max, 0
-            emitted = self.acc.expected_emitted((p, bucket))  # [k_max + 1]
-            cands = [
-                Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
-                for k in range(1, k_avail + 1)
-            ]
-            best[p] = max(cands, key=lambda c: c.rate)
-        return best
-
-    def _probe(self, best: Candidate, best_of: Mapping[str, Candidate], context: Sequence[int]) -> Candidate | None:
-        """One step with a proposer untried for explore_every steps, if the exploration budget
-        (EXPLORE_BUDGET of all generation time so far) can pay for what it is expected to cost:
-        catching up (a draft that sat out must first read what it missed) plus the step's
-        expected loss against plain decoding."""
+    def _probe(
+        self, best: Candidate, options: Mapping[str, tuple[tuple[str, int], int]], context: Sequence[int]
+    ) -> Candidate | None:
+        """One step with a proposer untried for explore_every steps, if (1) it could pay at all —
+        with every token accepted it would beat plain (on a 2-core CPU a 0.5B draft cannot, and
+        probing it would only waste time) — and (2) the exploration budget, EXPLORE_BUDGET of all
+        generation time so far, covers what the probe is expected to cost: catching up (a draft
+        that sat out must read what it missed) plus the step's expected loss against plain."""
+        plain = self._plain()
         stale = [
             p
-            for p in self.proposers
-            if p != best.proposer and p in best_of and self.step_no - self.last_tried[p] >= self.cfg.explore_every
+            for p, (key, k_avail) in options.items()
+            if p != best.proposer
+            and self.step_no - self.last_tried[p] >= self.cfg.explore_every
+            and self._best(p, k_avail, key, np.ones(self.k_max)).rate >= self.cfg.min_gain * plain.rate
         ]
         if not stale:
             return None
         p = min(stale, key=lambda q: (self.last_tried[q], q))  # the longest untried; ties by name
-        c = best_of[p]
-        k = max(2, min(c.k, 4)) if p != "ngram" else c.k  # enough positions to learn from, cheaply
-        emitted = self.acc.expected_emitted((p, self._bucket(p)))
-        probe = Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
+        key, k_avail = options[p]
+        k = min(k_avail, 4)  # enough positions to learn from, cheaply
+        probe = self._candidate(p, k, self.acc.expected_emitted(key))
         lag = self.lag(p, context) if self.lag else 0
         catchup = lag * self.cost.catchup_s.get(p, self.cost.propose_s.get(p, 0.0))
-        expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * self.cost.verify(1))
+        expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * plain.seconds)
         if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
         return probe
@@ -337,18 +345,19 @@ class Controller:
             f"{best.seconds * 1000:.0f} ms = {best.rate / plain.rate:.2f}x plain"
         )
 
-    def _record(self, best: Candidate, plain: Candidate, best_of: Mapping[str, Candidate], reason: str) -> None:
+    def _record(
+        self, best: Candidate, plain: Candidate, options: Mapping[str, tuple[tuple[str, int], int]], reason: str
+    ) -> None:
+        """The view: the choice, why, and each proposer's expected gain for every k (for ngram,
+        under the current match, or the longest-match bucket when there is none)."""
         v = self.view
         v.proposer, v.k, v.reason = best.proposer, best.k, reason
         v.baseline_tps = plain.rate
         gains: dict[str, list[float]] = {}
         for p in self.proposers:
-            bucket = 0 if p != "ngram" else self.ngram_buckets[1]
-            emitted = self.acc.expected_emitted((p, bucket))
-            gains[p] = [
-                round((float(emitted[k]) / (self.cost.verify(k + 1) + self.cost.propose(p, k))) / plain.rate, 3)
-                for k in range(1, self.k_max + 1)
-            ]
+            key = options[p][0] if p in options else self._key(p, NGRAM_TOP_BUCKET)
+            emitted = self.acc.expected_emitted(key)
+            gains[p] = [round(self._candidate(p, k, emitted).rate / plain.rate, 3) for k in range(1, self.k_max + 1)]
         v.gains = gains
 
 

@@ -71,7 +71,7 @@ class Session:
             names,
             spec.controller,
             k_max=min(spec.k_max, models.target.n_ctx - 1),
-            ngram_buckets=(spec.ngram.n_min, spec.ngram.n_max),
+            ngram_min=spec.ngram.n_min,
             ngram_peek=getattr(ngram, "match", None),
             lag=self._lag,
         )
@@ -83,11 +83,40 @@ class Session:
         return lag(context) if lag else 0
 
     @classmethod
-    def open(cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True) -> "Session":
-        session = cls(cfg, load_model_set(cfg, with_draft=with_draft))
+    def open(
+        cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True, n_ctx: int | None = None
+    ) -> "Session":
+        session = cls(cfg, load_model_set(cfg, with_draft=with_draft, n_ctx=n_ctx))
         if calibrate:
             session.warmup()
         return session
+
+    # -- shedding the draft under memory pressure -----------------------------------------------
+
+    def unload_draft(self) -> None:
+        """Free the draft model; speculation continues with the other proposers (or off)."""
+        prop = self.models.engine.proposers.pop("draft", None)
+        if prop is not None:
+            prop.close()
+        self.models.draft = None
+        self.controller.proposers = [p for p in self.controller.proposers if p != "draft"]
+
+    def reload_draft(self) -> None:
+        """Load the configured draft back (after headroom returned) and re-time its passes."""
+        if self.models.draft is not None or self.cfg.models.draft is None:
+            return
+        from homespec.models import resolve_model_path
+        from homespec.modelset import runtime_options
+        from homespec.proposers.draft import DraftProposer
+        from homespec.runtime import Runtime
+
+        ref = self.cfg.models.draft
+        rt = Runtime(resolve_model_path(self.cfg, ref), runtime_options(self.cfg, ref.n_gpu_layers, self.models.target.n_ctx))
+        self.models.draft = rt
+        self.models.engine.proposers["draft"] = DraftProposer(rt, self.models.target.n_vocab)
+        if "draft" not in self.controller.proposers:
+            self.controller.proposers.append("draft")
+            self.controller.last_tried.setdefault("draft", self.controller.step_no)
 
     def __enter__(self) -> "Session":
         return self
@@ -137,6 +166,9 @@ class Session:
             self.controller.cost.propose_s["draft"] = per_token
             self.controller.cost.catchup_s["draft"] = catchup
             self.calibration["draft"] = {1: per_token, len(probe): catchup * len(probe)}
+        target.reset()  # the first request should not find warm-up text in the cache
+        if draft is not None:
+            draft.reset()
         self.warmup_s = time.perf_counter() - t0
         log.info(
             "warm-up %.1f s: target pass 1 token %.0f ms, %d tokens %.0f ms%s",

@@ -152,3 +152,19 @@ def test_view_reports_baseline_speedup_and_gain_per_k():
     assert v.speedup is not None and v.speedup > 1.2
     assert len(v.gains["ngram"]) == K_MAX and max(v.gains["ngram"]) > 1.2
     assert "ngram" in v.reason and "x plain" in v.reason
+
+
+def test_a_proposer_that_cannot_pay_even_when_always_right_is_never_probed():
+    # Draft costs 0.7 of a target pass per token: even at 100 % acceptance it loses on a CPU.
+    m = Machine(cpu_cost, {"draft": 1.0}, draft_s=0.06, ngram_cont=0)
+    c = m.controller(proposers=("draft",), explore_every=2)
+    steps = m.run(c, 500)
+    assert all(s.proposer == PLAIN for s in steps)
+    assert c.proposers_to_prefill() == set()
+
+
+def test_a_long_ngram_match_is_tried_on_first_sight():
+    m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=16)  # peek reports match length 5
+    c = m.controller(proposers=("ngram",))
+    c.ngram_peek = lambda ctx, k: ([1] * 16, 12)  # a 12-token match: the output is copying
+    assert c.decide([0] * 20).proposer == "ngram"

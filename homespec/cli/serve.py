@@ -1,0 +1,136 @@
+"""`homespec serve`: the daemon — load, warm up, serve the OpenAI-compatible API on localhost."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from pathlib import Path
+
+from homespec.cli.common import add_config_argument, config_path
+from homespec.errors import UserError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_argument(p)
+    p.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default from config: 8321)")
+
+
+def resolve_api_key(cfg) -> str | None:  # cfg: homespec.config.Config
+    """Config value, else $HOMESPEC_API_KEY, else the first line of server.api_key_file."""
+    if cfg.server.api_key:
+        return cfg.server.api_key
+    if os.environ.get("HOMESPEC_API_KEY"):
+        return os.environ["HOMESPEC_API_KEY"]
+    if cfg.server.api_key_file:
+        path = cfg.resolve(cfg.server.api_key_file)
+        try:
+            key = path.read_text().splitlines()[0].strip()
+        except (OSError, IndexError):
+            raise UserError(f"server.api_key_file: cannot read a key from {path}") from None
+        if not key:
+            raise UserError(f"server.api_key_file: {path} is empty")
+        return key
+    return None
+
+
+def check_bind(host: str, api_key: str | None, allow_unauthenticated_remote: bool) -> None:
+    """Refuse to answer the whole LAN without a key unless the config says so explicitly."""
+    if host in ("localhost",):
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        raise UserError(f"server.host: {host!r} is not an IP address (use 127.0.0.1, ::1 or an interface address)") from None
+    if not loopback and not api_key and not allow_unauthenticated_remote:
+        raise UserError(
+            f"server.host {host} is reachable from the network and no API key is set: set server.api_key "
+            "(or HOMESPEC_API_KEY), or server.allow_unauthenticated_remote: true"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+    import time
+
+    import uvicorn
+
+    from homespec.config import load_config
+    from homespec.daemon import Daemon
+    from homespec.server import create_app
+    from homespec.service import SystemdNotifier
+
+    log = logging.getLogger("homespec.serve")
+    cfg = load_config(config_path(args.config))
+    if args.host:
+        cfg.server.host = args.host
+    if args.port:
+        cfg.server.port = args.port
+    api_key = resolve_api_key(cfg)
+    check_bind(cfg.server.host, api_key, cfg.server.allow_unauthenticated_remote)
+    # Fail fast on missing models, before binding the port (the worker would only log it).
+    from homespec.models import resolve_model_path
+
+    resolve_model_path(cfg, cfg.models.target)
+    if cfg.models.draft:
+        resolve_model_path(cfg, cfg.models.draft)
+
+    notifier = SystemdNotifier()
+    daemon = Daemon(cfg)
+    address = f"http://{cfg.server.host}:{cfg.server.port}"
+
+    exit_code = 0
+
+    def announce_ready() -> None:
+        # READY=1 only once the models are warm AND uvicorn is listening (it binds after the
+        # app's startup); the watchdog clock starts with READY, so ping only from then on.
+        while not server.should_exit and not (daemon.ready and server.started):
+            time.sleep(0.1)
+        if server.should_exit:
+            return
+        log.info("ready on %s", address)
+        notifier.ready(f"serving on {address}")
+        notifier.start_watchdog(daemon.healthy)
+
+    def on_failed(why: str) -> None:
+        nonlocal exit_code
+        exit_code = 1  # Restart=on-failure applies; a config error (exit 2) is not retried
+        notifier.status(f"failed: {why}")
+        server.should_exit = True
+
+    daemon.on_ready = lambda: threading.Thread(target=announce_ready, daemon=True).start()
+    daemon.on_failed = on_failed
+    app = create_app(daemon, api_key=api_key, address=address)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=cfg.server.host,
+            port=cfg.server.port,
+            log_level="info",
+            access_log=False,
+            timeout_graceful_shutdown=max(1, int(cfg.server.drain_timeout_s)),
+        )
+    )
+    default_exit = server.handle_exit
+
+    def handle_exit(sig: int, frame) -> None:  # noqa: ANN001 - signal handler
+        # SIGTERM/SIGINT: stop taking work first (queued requests get 503), then let uvicorn stop
+        # listening and wait for in-flight streams up to drain_timeout_s.
+        log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, cfg.server.drain_timeout_s)
+        notifier.stopping()
+        daemon.begin_drain()
+        default_exit(sig, frame)
+
+    server.handle_exit = handle_exit  # type: ignore[method-assign]
+    daemon.start()
+    log.info("homespec %s starting on %s (config %s)", daemon.version(), address, Path(args.config or "defaults"))
+    try:
+        server.run()
+    finally:
+        finished = daemon.shutdown(timeout_s=cfg.server.drain_timeout_s)
+        notifier.close()
+        log.info("stopped%s", "" if finished else " (a generation was cancelled at the drain timeout)")
+    return exit_code

@@ -1,0 +1,407 @@
+"""The model host behind the HTTP API: loads and warms the models, runs one generation at a
+time from a FIFO queue, keeps them warm (or unloads them after keep_alive), watches memory
+headroom, and publishes live stats.
+
+It knows sessions and jobs, not HTTP: the server hands it a `Job` with a `sink` callback and
+relays the `JobEvent`s it receives. Everything that touches llama.cpp runs on the single worker
+thread, so runtimes are never used concurrently.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import psutil
+
+from homespec import __version__
+from homespec.config import Config
+from homespec.engine import GenerationStats, PromptTooLong
+from homespec.errors import UserError
+from homespec.gguf_info import read_gguf_info
+from homespec.memory import HeadroomWatcher, LoadPlan, pair_footprints, plan_load, read_headroom
+from homespec.models import resolve_model_path
+from homespec.session import GenerationRequest, Session
+from homespec.stats import LiveStats, Metrics
+from homespec.stats_schema import DaemonState, RequestRecord
+
+log = logging.getLogger("homespec.daemon")
+
+MODES = ("auto", "ngram", "draft", "mtp", "off")  # the order the dashboard cycles through
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__("queue full")
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Exception):
+    def __init__(self, state: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(f"models are {state}")
+        self.state, self.retry_after_s = state, retry_after_s
+
+
+@dataclass
+class JobEvent:
+    kind: Literal["started", "delta", "done", "error"]
+    text: str = ""
+    tokens: int = 0  # tokens in this delta
+    stats: GenerationStats | None = None
+    finish_reason: str | None = None
+    status: int = 200  # for "error": the HTTP status it maps to
+    code: str | None = None  # for "error": a machine-readable code
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    sink: Callable[[JobEvent], None]  # called from the worker thread
+    messages: list[dict[str, Any]] | None = None  # chat
+    prompt: str | None = None  # completion
+    timeout_s: float = 600.0
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    created: float = field(default_factory=time.time)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Daemon:
+    def __init__(self, cfg: Config, opener: Callable[..., Session] | None = None) -> None:
+        self.cfg = cfg
+        # opener(cfg, with_draft=..., n_ctx=...) -> an un-warmed Session (tests inject fakes)
+        self._open = opener or (lambda c, **kw: Session.open(c, calibrate=False, **kw))
+        self.plan: LoadPlan | None = None
+        self.watcher: HeadroomWatcher | None = None
+        self._pending_control: collections.deque[str] = collections.deque()  # "unload-draft" | "reload-draft"
+        self.session: Session | None = None
+        self.state: DaemonState = "loading"
+        self.error: str | None = None
+        self.mode: str = cfg.speculation.mode
+        self.started = time.time()
+        self.live = LiveStats()
+        self.metrics = Metrics()
+        self.footprints: tuple[Any, Any] = (None, None)  # (target, draft) memory.Footprint at the planned n_ctx
+        self.load_s: float | None = None
+        self.warmup_s: float | None = None
+        self.cold_loads = 0
+        self.memory_events: collections.deque[str] = collections.deque(maxlen=20)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._running: Job | None = None
+        self._accepting = True
+        self._stop = False
+        self._last_active = time.monotonic()
+        self._mean_request_s = 10.0  # for Retry-After; refined from real requests
+        self._worker = threading.Thread(target=self._work, name="homespec-worker", daemon=True)
+        self._ticker = threading.Thread(target=self._tick, name="homespec-ticker", daemon=True)
+        self.on_ready: Callable[[], None] = lambda: None  # e.g. sd_notify READY=1
+        self.on_failed: Callable[[str], None] = lambda why: None  # e.g. stop serving, exit 1
+        self._progress = time.monotonic()  # last sign of life of the worker (step, load, idle)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load and warm up in the background; /ready turns true when done."""
+        self._worker.start()
+        self._ticker.start()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work, fail what is waiting, let the running job finish."""
+        with self._cv:
+            self._accepting = False
+            self.state = "stopping"
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for job in waiting:
+            job.sink(JobEvent("error", text="the daemon is shutting down", status=503, code="shutting_down"))
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the running job, then cancel it. True if it finished."""
+        self.begin_drain()
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._running is not None and time.monotonic() < deadline:
+                self._cv.wait(0.1)
+            finished = self._running is None
+            if self._running is not None:
+                self._running.cancel()
+            self._stop = True
+            self._cv.notify_all()
+        self._worker.join(timeout=10)
+        if self.watcher is not None:
+            self.watcher.stop()
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        return finished
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def healthy(self, stall_s: float = 120.0) -> bool:
+        """For the systemd watchdog: the worker lives and makes progress. A prefill chunk of 512
+        tokens takes ~13 s on 2 cores, a load plus warm-up ~30 s; no step for stall_s means hung."""
+        if self.state == "failed" or not self._worker.is_alive():
+            return False
+        return time.monotonic() - self._progress < stall_s
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise NotReady / QueueFull. Events go to job.sink."""
+        with self._cv:
+            if not self._accepting:
+                raise NotReady("shutting down", retry_after_s=30)
+            if self.state in ("loading", "warming"):
+                raise NotReady(self.state, retry_after_s=5)
+            if self.state == "failed":
+                raise NotReady(f"failed to load: {self.error}", retry_after_s=60)
+            busy = self._running is not None
+            if len(self._queue) >= self.cfg.server.queue_depth and (busy or self._queue):
+                raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1))
+            self._queue.append(job)
+            self.metrics.queue_waiting.set(len(self._queue))
+            self._cv.notify_all()
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in self.available_modes():
+            raise UserError(f"mode {mode!r} not available; choose one of {', '.join(self.available_modes())}")
+        self.mode = mode
+        log.info("speculation mode set to %s", mode)
+
+    def available_modes(self) -> list[str]:
+        have = set(self.session.models.engine.proposers) if self.session else {"ngram"}
+        return [m for m in MODES if m in ("auto", "off") or m in have]
+
+    def queue_view(self) -> tuple[int, int]:
+        with self._cv:
+            return (1 if self._running else 0), len(self._queue)
+
+    # -- worker ---------------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        try:
+            self._load(cold=False)
+        except Exception as e:  # a daemon that cannot load must say why, not die silently
+            log.error("loading models failed: %s", e, exc_info=not isinstance(e, UserError))
+            self.state, self.error = "failed", str(e)
+            self.on_failed(str(e))
+            return
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._progress = time.monotonic()
+                    self._apply_control()
+                    self._cv.wait(1.0)
+                    self._maybe_unload()
+                if self._stop:
+                    return
+                self._apply_control()
+                job = self._queue.popleft()
+                self._running = job
+                self.metrics.queue_waiting.set(len(self._queue))
+                self.metrics.queue_running.set(1)
+            try:
+                self._run(job)
+            except Exception as e:  # never let one request kill the worker
+                log.exception("request %s failed", job.id)
+                job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
+            finally:
+                with self._cv:
+                    self._running = None
+                    self._last_active = time.monotonic()
+                    self.metrics.queue_running.set(0)
+                    self._cv.notify_all()
+
+    def _plan(self) -> LoadPlan:
+        """memory.policy applied to the estimated footprints; raises InsufficientMemory."""
+        cfg = self.cfg
+        target = read_gguf_info(resolve_model_path(cfg, cfg.models.target))
+        draft = read_gguf_info(resolve_model_path(cfg, cfg.models.draft)) if cfg.models.draft else None
+        at = pair_footprints(
+            target,
+            draft,
+            n_batch=cfg.runtime.n_batch,
+            target_gpu_layers=cfg.models.target.n_gpu_layers,
+            draft_gpu_layers=cfg.models.draft.n_gpu_layers if cfg.models.draft else 0,
+        )
+        plan = plan_load(at, read_headroom(), cfg.memory, n_ctx=cfg.runtime.n_ctx).require()
+        self.footprints = at(plan.n_ctx)
+        return plan
+
+    def _watch(self, plan: LoadPlan) -> None:
+        """Shed the draft below the reserve, take it back when room returns (between jobs)."""
+        draft_fp = self.footprints[1]
+        if draft_fp is None or self.watcher is not None:
+            return
+        self.watcher = HeadroomWatcher(
+            self.cfg.memory,
+            draft_fp,
+            on_unload_draft=lambda: self._control("unload-draft"),
+            on_reload_draft=lambda: self._control("reload-draft"),
+            draft_loaded=plan.load_draft,
+        )
+        self.watcher.start()
+
+    def _control(self, action: str) -> None:
+        # Runs on the watcher thread: llama.cpp objects belong to the worker, which applies the
+        # action before its next job (a running generation keeps its draft until it ends).
+        with self._cv:
+            self._pending_control.append(action)
+            self._cv.notify_all()
+
+    def _apply_control(self) -> None:
+        while self._pending_control and self.session is not None:
+            action = self._pending_control.popleft()
+            if action == "unload-draft":
+                self.session.unload_draft()
+                self.metrics.model_loaded.labels("draft").set(0)
+            else:
+                self.session.reload_draft()
+                self.metrics.model_loaded.labels("draft").set(1 if self.session.models.draft else 0)
+
+    def _load(self, cold: bool) -> None:
+        self.state = "loading"
+        t0 = time.perf_counter()
+        self.plan = plan = self._plan()
+        session = self._open(self.cfg, with_draft=plan.load_draft, n_ctx=plan.n_ctx)
+        self.load_s = time.perf_counter() - t0
+        self.state = "warming"
+        self._progress = time.monotonic()
+        session.warmup()
+        self._progress = time.monotonic()
+        self.warmup_s = session.warmup_s
+        self.session = session
+        self.cold_loads += cold
+        self.state = "ready"
+        self.metrics.warm.set(1)
+        self.metrics.model_loaded.labels("target").set(1)
+        self.metrics.model_loaded.labels("draft").set(1 if session.models.draft is not None else 0)
+        log.info("ready: load %.1f s, warm-up %.1f s%s", self.load_s, self.warmup_s, " (cold start)" if cold else "")
+        self._watch(plan)
+        self.on_ready()
+
+    def _maybe_unload(self) -> None:
+        """keep_alive: unload after an idle period (called with the lock held, worker idle)."""
+        ka = self.cfg.memory.keep_alive_s
+        if ka is None or self.session is None or self.state != "ready":
+            return
+        if time.monotonic() - self._last_active >= ka:
+            log.info("idle for %.0f s: unloading models (keep_alive_s)", ka)
+            self.session.close()
+            self.session = None
+            self.state = "unloaded"
+            self.metrics.warm.set(0)
+            self.metrics.model_loaded.labels("target").set(0)
+            self.metrics.model_loaded.labels("draft").set(0)
+
+    def _run(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        self._progress = time.monotonic()
+        deadline = time.monotonic() + job.timeout_s
+        if job.cancelled.is_set():
+            return
+        cold = self.session is None
+        if cold:
+            self._load(cold=True)
+        session = self.session
+        assert session is not None
+        models = session.models
+        try:
+            tokens = models.encode_chat(job.messages) if job.messages is not None else models.encode_text(job.prompt or "")
+            req = job.request
+            if req.mode == "auto" and self.mode != "auto":
+                req = GenerationRequest(req.params, req.max_tokens, req.stop, self.mode, req.k)
+            gen = session.generate(tokens, req)
+        except PromptTooLong as e:
+            job.sink(JobEvent("error", text=str(e), status=400, code="context_length_exceeded"))
+            return
+        except UserError as e:
+            job.sink(JobEvent("error", text=str(e), status=400, code="invalid_request"))
+            return
+        job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode}))
+        status = "ok"
+        baseline = session.controller.view.baseline_tps
+        try:
+            for ev in gen:
+                self._progress = time.monotonic()
+                if ev.step is not None:
+                    self.live.add_step(ev.step, baseline)
+                    self.metrics.observe_step(ev.step)
+                job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=ev.finish_reason))
+                if ev.finish_reason:
+                    break
+                if job.cancelled.is_set():
+                    status = "cancelled"
+                    break
+                if time.monotonic() > deadline:
+                    status = "timeout"
+                    break
+        finally:
+            gen.close()  # stops at this step; the caches stay consistent
+        st = gen.stats
+        if status == "timeout":
+            job.sink(JobEvent("error", text=f"request timed out after {job.timeout_s:.0f} s", status=504, code="timeout", stats=st))
+        else:
+            job.sink(JobEvent("done", stats=st, finish_reason=st.finish_reason or status, extra={"cold": cold}))
+        seconds = time.perf_counter() - t0
+        self._mean_request_s += 0.2 * (seconds - self._mean_request_s)
+        self._record(job, st, status, cold, req.mode)
+        self.metrics.observe_request(status, st, seconds)
+
+    def _record(self, job: Job, st: GenerationStats, status: str, cold: bool, mode: str) -> None:
+        baseline = self.session.controller.view.baseline_tps if self.session else None
+        tps = st.decode_tps
+        self.live.add_request(
+            RequestRecord(
+                id=job.id,
+                time=job.created,
+                mode=mode,
+                prompt_tokens=st.prompt_tokens,
+                cached_tokens=st.cached_tokens,
+                completion_tokens=st.completion_tokens,
+                ttft_s=st.ttft_s or None,
+                tok_s=tps,
+                speedup=(tps / baseline) if (tps and baseline) else None,
+                status=status,  # type: ignore[arg-type]
+                finish_reason=st.finish_reason,
+                cold=cold,
+            ),
+            st,
+        )
+
+    def _tick(self) -> None:
+        """Once a second: close the speed bucket and refresh memory gauges."""
+        while not self._stop:
+            baseline = self.session.controller.view.baseline_tps if self.session else None
+            self.live.tick(baseline)
+            vm = psutil.virtual_memory()
+            self.metrics.ram_available.set(vm.available)
+            self.metrics.ram_reserve.set(self.cfg.memory.reserve_mib * 2**20)
+            if self.session is not None:
+                v = self.session.controller.view
+                if v.effective_tps:
+                    self.metrics.tokens_per_second.set(v.effective_tps)
+                if v.baseline_tps:
+                    self.metrics.baseline_tokens_per_second.set(v.baseline_tps)
+                if v.speedup:
+                    self.metrics.speedup.set(v.speedup)
+                self.metrics.draft_k.set(v.k)
+            time.sleep(1.0)
+
+    def uptime(self) -> float:
+        return time.time() - self.started
+
+    def version(self) -> str:
+        return __version__

@@ -1,0 +1,297 @@
+"""The HTTP face of the daemon: an OpenAI-compatible API on localhost, plus health, metrics and
+the stats and admin endpoints the dashboard uses.
+
+`create_app(daemon)` is a factory; the app holds no globals. Generation runs on the daemon's
+worker thread; each request gets a `Job` whose events are handed back into the event loop
+(`call_soon_threadsafe`) and relayed as JSON or server-sent events, so the loop never blocks.
+A client that goes away cancels its job, which stops at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from homespec import openai_api as oa
+from homespec.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
+from homespec.errors import UserError
+from homespec.sampling import SamplingParams
+from homespec.session import GenerationRequest
+from homespec.stats_view import build_stats_view
+
+log = logging.getLogger("homespec.server")
+
+OPEN_PATHS = ("/health", "/ready", "/docs", "/openapi.json")
+
+
+class ModeBody(BaseModel):
+    mode: str
+
+
+class _Bridge:
+    """Worker-thread events -> an asyncio queue in the request's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+    def sink(self, ev: JobEvent) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    async def next(self, request: Request, job: Job) -> JobEvent:
+        """The next event, cancelling the job if the client disconnects while we wait."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise asyncio.CancelledError("client disconnected") from None
+
+
+def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") -> FastAPI:
+    cfg = daemon.cfg
+    app = FastAPI(title="homespec", version=daemon.version(), docs_url="/docs", redoc_url=None)
+    app.state.daemon = daemon
+
+    if cfg.server.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.server.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+    app.add_middleware(_BodyLimit, max_bytes=cfg.server.max_body_bytes)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):  # noqa: ANN001, ANN202 - Starlette middleware
+        if api_key and not request.url.path.startswith(OPEN_PATHS) and request.method != "OPTIONS":
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                msg = "missing API key (send 'Authorization: Bearer <key>')" if not token else "invalid API key"
+                return _error(oa.ApiError(401, msg, code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(oa.ApiError)
+    async def api_error(_: Request, e: oa.ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(_validation_error(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if e.status_code == 404 else None
+        return _error(oa.ApiError(e.status_code, str(e.detail), code=kind))
+
+    @app.exception_handler(Exception)
+    async def crash(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _error(oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error"))
+
+    def model_id() -> str:
+        if cfg.server.model_alias:
+            return cfg.server.model_alias
+        ref = cfg.models.target
+        return ref.name or (ref.path.stem if ref.path else "homespec")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in (model_id(), "homespec"):
+            raise oa.ApiError(404, f"model {name!r} not found; this server serves {model_id()!r}", param="model", code="model_not_found")
+
+    def to_request(body: oa._Common, limit: int | None) -> GenerationRequest:
+        s = cfg.sampling
+        pick = lambda v, d: d if v is None else v  # noqa: E731
+        try:
+            params = SamplingParams(
+                temperature=pick(body.temperature, s.temperature),
+                top_p=pick(body.top_p, s.top_p),
+                top_k=pick(body.top_k, s.top_k),
+                min_p=pick(body.min_p, s.min_p),
+                repetition_penalty=pick(body.repetition_penalty, s.repetition_penalty),
+                presence_penalty=pick(body.presence_penalty, s.presence_penalty),
+                frequency_penalty=pick(body.frequency_penalty, s.frequency_penalty),
+                seed=body.seed,
+            )
+        except ValueError as e:
+            raise oa.ApiError(400, str(e)) from None
+        h = body.homespec or oa.HomespecOptions()
+        if h.speculation and h.speculation not in daemon.available_modes():
+            raise oa.ApiError(400, f"speculation mode {h.speculation!r} is not available (choose from {', '.join(daemon.available_modes())})", param="homespec.speculation")
+        return GenerationRequest(params, limit or s.max_tokens, body.stops(), h.speculation or "auto", h.k)
+
+    async def run(request: Request, body: oa._Common, job: Job, kind: str) -> Any:
+        bridge = _Bridge()
+        job.sink = bridge.sink
+        try:
+            daemon.submit(job)
+        except QueueFull as e:
+            raise oa.ApiError(429, "too many requests waiting; retry later", type="rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+        except NotReady as e:
+            raise oa.ApiError(503, f"not ready: models are {e.state}", type="server_error", code="not_ready",
+                              headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+        first = await bridge.next(request, job)
+        if first.kind == "error":
+            raise oa.ApiError(first.status, first.text, code=first.code)
+        rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        meta = first.extra
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return EventSourceResponse(_stream(bridge, job, kind, rid, model_id(), meta, include_usage), sep="\n", ping=15)
+        text: list[str] = []
+        while True:
+            ev = await bridge.next(request, job)
+            if ev.kind == "delta":
+                text.append(ev.text)
+            elif ev.kind == "error":
+                raise oa.ApiError(ev.status, ev.text, code=ev.code)
+            elif ev.kind == "done":
+                extra = _extra(daemon, ev, meta)
+                build = oa.chat_body if kind == "chat" else oa.completion_body
+                return build(rid, model_id(), "".join(text), ev.finish_reason, ev.stats, extra)
+
+    async def _stream(bridge: _Bridge, job: Job, kind: str, rid: str, model: str, meta: dict, include_usage: bool) -> AsyncIterator[dict]:
+        created = None
+        chunk = (lambda t, f=None: oa.chat_chunk(rid, model, {"content": t} if t else {}, f, created)) if kind == "chat" else (
+            lambda t, f=None: oa.completion_chunk(rid, model, t, f, created))
+        try:
+            if kind == "chat":
+                yield {"data": json.dumps(oa.chat_chunk(rid, model, {"role": "assistant", "content": ""}))}
+            while True:
+                ev = await bridge.queue.get()
+                if ev.kind == "delta" and ev.text:
+                    yield {"data": json.dumps(chunk(ev.text))}
+                elif ev.kind == "error":
+                    yield {"data": json.dumps(oa.ApiError(ev.status, ev.text, code=ev.code).body())}
+                    break
+                elif ev.kind == "done":
+                    yield {"data": json.dumps(chunk("", oa.openai_finish(ev.finish_reason)))}
+                    if include_usage:
+                        tail = {**chunk(""), "choices": [], "usage": oa.usage(ev.stats), "homespec": _extra(daemon, ev, meta)}
+                        yield {"data": json.dumps(tail)}
+                    break
+            yield {"data": "[DONE]"}
+        finally:
+            job.cancel()  # a no-op when finished; stops the generation when the client left
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "state": daemon.state}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        return JSONResponse({"ready": daemon.ready, "state": daemon.state}, status_code=200 if daemon.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(daemon.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_id(), "object": "model", "created": int(daemon.started), "owned_by": "homespec"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: oa.ChatRequest) -> Any:
+        check_model(body.model)
+        job = Job(to_request(body, body.limit()), sink=lambda ev: None, messages=body.chat_messages(),
+                  timeout_s=cfg.server.request_timeout_s)
+        return await run(request, body, job, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: oa.CompletionRequest) -> Any:
+        check_model(body.model)
+        job = Job(to_request(body, body.limit()), sink=lambda ev: None, prompt=body.text(),
+                  timeout_s=cfg.server.request_timeout_s)
+        return await run(request, body, job, "completion")
+
+    @app.get("/v1/homespec/stats")
+    async def stats() -> dict:
+        return build_stats_view(daemon, address).model_dump(mode="json")
+
+    @app.post("/v1/homespec/mode")
+    async def set_mode(body: ModeBody) -> dict:
+        try:
+            daemon.set_mode(body.mode)
+        except UserError as e:
+            raise oa.ApiError(400, str(e), param="mode") from None
+        return {"mode": daemon.mode}
+
+    @app.post("/v1/homespec/reset")
+    async def reset() -> dict:
+        daemon.live.reset()
+        return {"reset": True}
+
+    return app
+
+
+def _extra(daemon: Daemon, ev: JobEvent, meta: dict) -> dict:
+    baseline = daemon.session.controller.view.baseline_tps if daemon.session else None
+    return oa.homespec_stats(ev.stats, meta.get("mode", "auto"), bool(meta.get("cold")), baseline)
+
+
+def _error(e: oa.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _validation_error(e: RequestValidationError) -> oa.ApiError:
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        return oa.ApiError(400, "request body is not valid JSON", code="invalid_json")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        msg = f"missing required field {param!r}"
+    elif param:
+        msg = f"{param}: {msg}"
+    return oa.ApiError(400, msg, param=param)
+
+
+class _BodyLimit:
+    """413 for bodies over max_bytes, by Content-Length or while streaming in (pure ASGI)."""
+
+    def __init__(self, app, max_bytes: int) -> None:  # noqa: ANN001 - ASGI app
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_big = oa.ApiError(413, f"request body larger than {self.max_bytes} bytes", code="body_too_large")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _error(too_big)(scope, receive, send)
+        seen = 0
+
+        async def limited():  # noqa: ANN202
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooBig()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooBig:
+            await _error(too_big)(scope, receive, send)
+
+
+class _TooBig(Exception):
+    pass

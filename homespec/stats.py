@@ -1,0 +1,199 @@
+"""Rolling aggregates for the dashboard and Prometheus metrics for scrapers.
+
+Two views of the same events: `LiveStats` keeps short windows (the last steps, the last
+requests, one speed point per second) for /v1/homespec/stats; `Metrics` keeps monotonic
+counters and histograms in a prometheus-client registry for /metrics, named as vLLM names its
+speculative-decoding metrics (spec_decode_num_drafts, ..._num_draft_tokens,
+..._num_accepted_tokens, ..._num_accepted_tokens_per_pos).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from homespec.engine import PLAIN, GenerationStats, StepStats
+from homespec.stats_schema import RequestRecord, SpeedPoint
+
+STEP_WINDOW = 256  # steps in the rolling acceptance / timing window
+REQUEST_WINDOW = 20  # recent requests shown
+HISTORY_POINTS = 120  # one speed point per second: two minutes of sparkline
+
+
+@dataclass
+class _Bucket:
+    """Tokens and seconds of steps that ended within one second."""
+
+    t: float
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+class LiveStats:
+    """Thread-safe rolling windows; the worker thread writes, HTTP handlers read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.steps: deque[StepStats] = deque(maxlen=STEP_WINDOW)
+            self.requests: deque[RequestRecord] = deque(maxlen=REQUEST_WINDOW)
+            self.history: deque[SpeedPoint] = deque(maxlen=HISTORY_POINTS)
+            self._bucket: _Bucket | None = None
+            self.tokens_generated = 0
+            self.requests_served = 0
+            self.cache_lookups = 0
+            self.cache_hits = 0
+            self.tokens_reused = 0
+            self.tokens_evaluated = 0
+
+    def add_step(self, step: StepStats, baseline_tps: float | None) -> None:
+        now = time.time()
+        with self._lock:
+            self.steps.append(step)
+            self.tokens_generated += step.emitted
+            b = self._bucket
+            if b is None or now - b.t >= 1.0:
+                if b is not None:
+                    self._flush(b, baseline_tps)
+                b = self._bucket = _Bucket(now)
+            b.tokens += step.emitted
+            b.seconds += step.seconds
+
+    def _flush(self, b: _Bucket, baseline_tps: float | None) -> None:
+        tps = b.tokens / b.seconds if b.seconds > 0 else None
+        self.history.append(SpeedPoint(t=round(b.t, 3), tok_s=tps, baseline_tok_s=baseline_tps))
+
+    def tick(self, baseline_tps: float | None) -> None:
+        """Called about once a second: closes the current bucket, or records an idle point."""
+        now = time.time()
+        with self._lock:
+            b = self._bucket
+            if b is not None and now - b.t >= 1.0:
+                self._flush(b, baseline_tps)
+                self._bucket = None
+            elif b is None and (not self.history or now - self.history[-1].t >= 1.0):
+                self.history.append(SpeedPoint(t=round(now, 3), tok_s=None, baseline_tok_s=baseline_tps))
+
+    def add_request(self, rec: RequestRecord, st: GenerationStats) -> None:
+        with self._lock:
+            self.requests.appendleft(rec)
+            self.requests_served += 1
+            self.cache_lookups += 1
+            self.cache_hits += st.cached_tokens > 0
+            self.tokens_reused += st.cached_tokens
+            self.tokens_evaluated += st.prompt_tokens - st.cached_tokens
+
+    def snapshot(self) -> dict:
+        """Aggregates over the step window, for the stats view."""
+        with self._lock:
+            steps = list(self.steps)
+            out = {
+                "requests": list(self.requests),
+                "history": list(self.history),
+                "tokens_generated": self.tokens_generated,
+                "requests_served": self.requests_served,
+                "cache": (self.cache_lookups, self.cache_hits, self.tokens_reused, self.tokens_evaluated),
+            }
+        spec = [s for s in steps if s.proposer != PLAIN and s.proposed]
+        proposed = sum(s.proposed for s in spec)
+        accepted = sum(s.accepted for s in spec)
+        hits: list[int] = []
+        tries: list[int] = []
+        for s in spec:
+            for i, ok in enumerate(s.outcomes):
+                if i == len(tries):
+                    hits.append(0)
+                    tries.append(0)
+                tries[i] += 1
+                hits[i] += ok
+        draft_s = sum(s.draft_s for s in steps)
+        verify_s = sum(s.verify_s for s in steps)
+        chosen: dict[str, int] = {}
+        for s in steps:
+            key = f"{s.proposer}:{s.k}"
+            chosen[key] = chosen.get(key, 0) + 1
+        out.update(
+            acceptance_rate=accepted / proposed if proposed else None,
+            acceptance_length=(sum(s.emitted for s in steps) / len(steps)) if steps else None,
+            per_position=[round(h / t, 4) for h, t in zip(hits, tries)],
+            draft_ms=1000 * draft_s / len(steps) if steps else None,
+            verify_ms=1000 * verify_s / len(steps) if steps else None,
+            draft_share=draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
+            tok_s=sum(s.emitted for s in steps[-64:]) / sum(s.seconds for s in steps[-64:]) if steps else None,
+            chosen=chosen,
+        )
+        return out
+
+
+class Metrics:
+    """Prometheus metrics in their own registry (one per app, so tests can build several)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("homespec_requests", "Requests finished, by status", ["status"], registry=r)
+        self.prompt_tokens = Counter("homespec_prompt_tokens", "Prompt tokens received", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "homespec_prompt_tokens_cached", "Prompt tokens whose KV cache was reused", registry=r
+        )
+        self.generation_tokens = Counter("homespec_generation_tokens", "Output tokens generated", registry=r)
+        self.prefix_cache_lookups = Counter("homespec_prefix_cache_queries", "Requests looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("homespec_prefix_cache_hits", "Requests that reused a cached prefix", registry=r)
+        self.drafts = Counter("homespec_spec_decode_num_drafts", "Steps that verified at least one proposed token", ["proposer"], registry=r)
+        self.draft_tokens = Counter("homespec_spec_decode_num_draft_tokens", "Proposed tokens", ["proposer"], registry=r)
+        self.accepted_tokens = Counter("homespec_spec_decode_num_accepted_tokens", "Accepted proposed tokens", ["proposer"], registry=r)
+        self.accepted_per_pos = Counter(
+            "homespec_spec_decode_num_accepted_tokens_per_pos", "Accepted tokens by draft position (1-based)", ["position"], registry=r
+        )
+        self.steps = Counter("homespec_steps", "Target passes, by proposer and k", ["proposer", "k"], registry=r)
+        # A CPU step is 50 ms .. 1 s; a GPU step 5 .. 100 ms.
+        buckets = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 2.0, 5.0)
+        self.step_seconds = Histogram("homespec_step_seconds", "Time per step phase", ["phase"], buckets=buckets, registry=r)
+        self.ttft = Histogram(
+            "homespec_time_to_first_token_seconds", "Time to first token", buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r
+        )
+        self.request_seconds = Histogram(
+            "homespec_request_seconds", "Whole request time", buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600), registry=r
+        )
+        self.queue_waiting = Gauge("homespec_queue_waiting", "Requests waiting for the model", registry=r)
+        self.queue_running = Gauge("homespec_queue_running", "Requests generating now", registry=r)
+        self.warm = Gauge("homespec_warm", "1 when the models are loaded and warmed up", registry=r)
+        self.model_loaded = Gauge("homespec_model_loaded", "1 when the model is loaded", ["role"], registry=r)
+        self.ram_available = Gauge("homespec_memory_ram_available_bytes", "Available RAM", registry=r)
+        self.ram_reserve = Gauge("homespec_memory_ram_reserve_bytes", "RAM kept free for other services", registry=r)
+        self.vram_free = Gauge("homespec_memory_vram_free_bytes", "Free VRAM (NaN without a GPU)", registry=r)
+        self.tokens_per_second = Gauge("homespec_tokens_per_second", "Live output tokens/s", registry=r)
+        self.baseline_tokens_per_second = Gauge(
+            "homespec_baseline_tokens_per_second", "Plain decoding tokens/s estimated by the cost model", registry=r
+        )
+        self.speedup = Gauge("homespec_speedup", "Live tokens/s over the plain baseline", registry=r)
+        self.draft_k = Gauge("homespec_spec_decode_k", "Draft length the controller chose last", registry=r)
+
+    def observe_step(self, step: StepStats) -> None:
+        self.steps.labels(step.proposer, str(step.k)).inc()
+        self.step_seconds.labels("verify").observe(step.verify_s)
+        if step.proposer != PLAIN and step.proposed:
+            self.step_seconds.labels("draft").observe(step.draft_s)
+            self.drafts.labels(step.proposer).inc()
+            self.draft_tokens.labels(step.proposer).inc(step.proposed)
+            self.accepted_tokens.labels(step.proposer).inc(step.accepted)
+            for i in range(step.accepted):
+                self.accepted_per_pos.labels(str(i + 1)).inc()
+
+    def observe_request(self, status: str, st: GenerationStats, seconds: float) -> None:
+        self.requests.labels(status).inc()
+        self.prompt_tokens.inc(st.prompt_tokens)
+        self.generation_tokens.inc(st.completion_tokens)
+        self.cached_prompt_tokens.inc(st.cached_tokens)
+        self.prefix_cache_lookups.inc()
+        if st.cached_tokens:
+            self.prefix_cache_hits.inc()
+        if st.ttft_s:
+            self.ttft.observe(st.ttft_s)
+        self.request_seconds.observe(seconds)
