@@ -19,6 +19,7 @@ from homespec.controller import Controller, calibrate, make_policy
 from homespec.engine import Event, GenerationStats
 from homespec.errors import UserError
 from homespec.modelset import ModelSet, load_model_set
+from homespec.prefix_cache import PrefixCache
 from homespec.sampling import SamplingParams
 
 log = logging.getLogger("homespec.session")
@@ -77,6 +78,7 @@ class Session:
         )
         self.warmup_s = 0.0
         self.calibration: dict[str, dict[int, float]] = {}
+        self.prefix_cache = PrefixCache(cfg.memory.prefix_cache_mib * 2**20) if cfg.runtime.prefix_reuse else None
 
     def _lag(self, proposer: str, context: Sequence[int]) -> int:
         lag = getattr(self.models.engine.proposers.get(proposer), "lag", None)
@@ -181,6 +183,15 @@ class Session:
 
     # -- generation --------------------------------------------------------------------------
 
+    def _prepare_cache(self, tokens: Sequence[int]) -> None:
+        """Prefix reuse: the best saved conversation goes live; or, with reuse off, start cold."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.prepare(self.models.target, tokens)
+            return
+        self.models.target.reset()
+        if self.models.draft is not None:
+            self.models.draft.reset()
+
     def check_mode(self, mode: str) -> None:
         if mode in ("auto", "off"):
             return
@@ -194,6 +205,7 @@ class Session:
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = "off" if req.mode == "auto" and not self.controller.cost.calibrated() else req.mode
         policy = make_policy(mode, k, self.controller)
+        self._prepare_cache(tokens)
         stats = GenerationStats()
         events = self.models.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats)
         return Generation(events, stats, req.mode)

@@ -23,3 +23,11 @@ def draft_rt():
     rt = Runtime(require(DRAFT), OPTS)
     yield rt
     rt.close()
+
+
+@pytest.fixture(scope="session")
+def epsilon(target_rt):
+    """llama.cpp's batch noise on this machine: the near-tie threshold of DESIGN.md's rule (b)."""
+    from tests.integration.exactness import measure_batch_noise
+
+    return measure_batch_noise(target_rt)

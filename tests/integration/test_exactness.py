@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.chat import ChatTemplate
 from homespec.engine import Engine, FixedPolicy, GenerationStats
 from homespec.proposers.draft import DraftProposer
 from homespec.proposers.ngram import NgramProposer
+from tests.integration.exactness import Recording, encode, first_divergence, margin
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -26,66 +26,11 @@ PROMPTS = [
 MAX_TOKENS = 40
 
 
-class Recording:
-    """Delegates to a Runtime and keeps every logits row it returns, with the token it scored."""
-
-    def __init__(self, rt):
-        self.rt = rt
-        self.rows: list[tuple[int, np.ndarray]] = []  # (position, logits [vocab])
-
-    def eval(self, tokens, output="all"):
-        start = len(self.rt.tokens)
-        out = self.rt.eval(tokens, output)
-        if output == "all":
-            self.rows += [(start + i, out[i]) for i in range(len(tokens))]
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.rt, name)
-
-
-def encode(rt, text):
-    tmpl = ChatTemplate(rt.chat_template)
-    return rt.tokenize(tmpl.render([{"role": "user", "content": text}]), add_special=False)
-
-
 def generate(engine, prompt, policy):
     engine.target.reset()
     st = GenerationStats()
     out = [t for ev in engine.generate(prompt, max_tokens=MAX_TOKENS, policy=policy, stats=st) for t in ev.tokens]
     return out, st
-
-
-@pytest.fixture(scope="module")
-def epsilon(target_rt):
-    """Batch noise: max |logit difference| of the same positions evaluated alone vs in a batch."""
-    ctx = encode(target_rt, PROMPTS[0])
-    cont = target_rt.tokenize(" def fib(n):\n    a, b = 0, 1\n    for _ in range(n):", add_special=False)[:12]
-    target_rt.reset()
-    target_rt.sync(ctx)
-    base = len(target_rt.tokens)
-    alone = np.stack([target_rt.eval([t], "all")[0] for t in cont])  # [12, vocab]
-    deltas = []
-    for n in (2, 5, 9):
-        target_rt.truncate(base)
-        batched = np.concatenate([target_rt.eval(cont[i : i + n], "all") for i in range(0, len(cont), n)])
-        deltas.append(float(np.abs(batched - alone).max()))
-    target_rt.reset()
-    eps = max(deltas)
-    print(f"\nbatch noise: max |Δlogit| alone vs batched = {eps:.4f} (batches of 2/5/9: {deltas})")
-    return max(eps, 1e-3)
-
-
-def _first_divergence(a, b):
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None
-
-
-def _margin(row):
-    top2 = np.partition(row, -2)[-2:]
-    return float(top2[1] - top2[0])
 
 
 @pytest.mark.integration
@@ -99,7 +44,7 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
         prompt = encode(target_rt, text)
         rec.rows.clear()
         plain, _ = generate(engine, prompt, FixedPolicy())
-        plain_margins = {pos: _margin(row) for pos, row in rec.rows}
+        plain_margins = {pos: margin(row) for pos, row in rec.rows}
         rec.rows.clear()
         spec, st = generate(engine, prompt, FixedPolicy(proposer, k))
         proposed += st.proposed
@@ -109,14 +54,14 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
             pos = len(prompt) + i - 1  # the row that scored output token i
             assert int(np.argmax(verified[pos])) == tok, f"token {i} is not the target's argmax"
         # (b) equal to plain decoding, or diverging only where plain had a near-tie.
-        j = _first_divergence(plain, spec)
+        j = first_divergence(plain, spec)
         if j is None:
             assert len(spec) == len(plain)
             continue
         diverged += 1
-        margin = plain_margins.get(len(prompt) + j - 1)
-        assert margin is not None and margin < epsilon, (
-            f"diverged at output token {j} where plain's top-2 margin was {margin} >= epsilon {epsilon}"
+        m = plain_margins.get(len(prompt) + j - 1)
+        assert m is not None and m < epsilon, (
+            f"diverged at output token {j} where plain's top-2 margin was {m} >= epsilon {epsilon}"
         )
         near_ties += 1
     print(f"\n{proposer} k={k}: {diverged}/{len(PROMPTS)} prompts diverged, all at near-ties ({near_ties}); {proposed} tokens proposed")

@@ -56,6 +56,16 @@ class FakeRuntime:
         self.truncate(keep)
         return self.eval(context[keep:], output)
 
+    def save_state(self) -> bytes:
+        return np.asarray(self.tokens, dtype=np.int32).tobytes()
+
+    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        assert np.frombuffer(data, dtype=np.int32).tolist() == list(tokens), "state/tokens mismatch"
+        self.tokens = list(tokens)
+
+    def reset(self) -> None:
+        self.tokens = []
+
     def is_eog(self, token: int) -> bool:
         return token == self.eos
 

@@ -1,0 +1,103 @@
+"""Saved KV caches of earlier conversations, so switching between them skips the prefill.
+
+The live KV cache already serves the common case — the same conversation, one turn longer —
+through `Runtime.sync`, which keeps the longest common prefix. This cache adds memory of *other*
+conversations: before a request would truncate away a long cached history that it does not
+share, that history's KV state is saved (llama_state_seq_get_data); a later request that shares
+more with a saved state than with the live cache restores it. Entries are evicted least recently
+used within a byte budget (memory.prefix_cache_mib, which the load plan counts).
+
+Only the target's cache is saved: it is what prefill time is spent on. A draft model, when one is
+in use, catches up on its own (cheaper) after a switch.
+
+Output does not depend on what was cached: a restored state holds the same keys and values the
+prefill computed; only llama.cpp's batch-composition noise differs from a cold prefill (the
+near-tie rule in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from homespec.runtime import common_prefix
+
+log = logging.getLogger("homespec.prefix_cache")
+
+
+class _StatefulRuntime(Protocol):
+    tokens: list[int]
+
+    def save_state(self) -> bytes: ...
+
+    def load_state(self, data: bytes, tokens: Sequence[int]) -> None: ...
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]  # what the saved cache holds, position i = tokens[i]
+    state: bytes  # llama.cpp's serialised KV cells of the sequence
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state) + 4 * len(self.tokens)
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, min_tokens: int = 128) -> None:
+        self.budget = budget_bytes  # bytes
+        # Saving a history shorter than this costs more (a copy of its KV) than re-reading it.
+        self.min_tokens = min_tokens  # tokens
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
+        self._next_id = 0
+        self.restores = 0
+        self.saves = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def prepare(self, rt: _StatefulRuntime, prompt: Sequence[int]) -> int:
+        """Put the best cached history for `prompt` into rt's KV cache; return the shared prefix.
+
+        After this, rt.sync(prompt) re-evaluates only what follows the returned length.
+        """
+        live = common_prefix(rt.tokens, prompt)
+        best_id, best_len = None, live
+        for eid, e in self._entries.items():
+            n = common_prefix(e.tokens, prompt)
+            if n > best_len:
+                best_id, best_len = eid, n
+        entry = self._entries.pop(best_id) if best_id is not None else None
+        self._save_live(rt, keep=live)
+        if entry is None:
+            return live
+        rt.load_state(entry.state, entry.tokens)
+        self.restores += 1
+        log.debug("restored a saved cache of %d tokens (%d shared with the prompt)", len(entry.tokens), best_len)
+        return best_len
+
+    def _save_live(self, rt: _StatefulRuntime, keep: int) -> None:
+        """Save the live cache if the coming request would throw away much of it."""
+        if len(rt.tokens) - keep < self.min_tokens or self.budget <= 0:
+            return
+        tokens = list(rt.tokens)
+        # An older save of the same conversation (a prefix of this one) is superseded.
+        for eid in [i for i, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
+            del self._entries[eid]
+        entry = _Entry(tokens, rt.save_state())
+        if entry.nbytes > self.budget:
+            return
+        self._entries[self._next_id] = entry
+        self._next_id += 1
+        self.saves += 1
+        while self.bytes > self.budget:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()

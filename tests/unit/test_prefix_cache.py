@@ -1,0 +1,108 @@
+"""Prefix reuse: the live cache plus saved conversations, on the scripted runtime."""
+
+from __future__ import annotations
+
+from homespec.engine import Engine, FixedPolicy, GenerationStats
+from homespec.prefix_cache import PrefixCache
+
+from .fakes import FakeRuntime
+
+SYSTEM_A = list(range(1, 41))  # 40-token "system prompt" of conversation A
+SYSTEM_B = list(range(41, 81))
+
+
+def chat(engine, cache, prompt, max_tokens=8):
+    cache.prepare(engine.target, prompt)
+    st = GenerationStats()
+    out = [t for ev in engine.generate(prompt, max_tokens=max_tokens, policy=FixedPolicy(), stats=st) for t in ev.tokens]
+    return out, st
+
+
+def cold(prompt, max_tokens=8):
+    eng = Engine(FakeRuntime(n_ctx=2048))
+    return [t for ev in eng.generate(prompt, max_tokens=max_tokens) for t in ev.tokens]
+
+
+def test_second_turn_reuses_the_first_turn_and_counts_cached_tokens_exactly():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    turn1 = SYSTEM_A + [5, 6, 7]
+    out1, st1 = chat(eng, cache, turn1)
+    assert st1.cached_tokens == 0
+    turn2 = turn1 + out1 + [9, 9, 9]
+    out2, st2 = chat(eng, cache, turn2)
+    # The cache held turn1 + out1 minus the last emitted token (never evaluated).
+    assert st2.cached_tokens == len(turn1) + len(out1) - 1
+    assert out2 == cold(turn2)
+
+
+def test_cold_and_warm_cache_give_the_same_greedy_text():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    prompt = SYSTEM_A + [3, 3, 3]
+    warm_first, _ = chat(eng, cache, prompt)
+    warm_again, st = chat(eng, cache, prompt)
+    assert st.cached_tokens == len(prompt) - 1  # all but the last prompt token, whose logits are needed
+    assert warm_first == warm_again == cold(prompt)
+
+
+def test_a_different_system_prompt_misses_and_is_still_correct():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    chat(eng, cache, SYSTEM_A + [1, 2])
+    out, st = chat(eng, cache, SYSTEM_B + [1, 2])
+    assert st.cached_tokens == 0
+    assert out == cold(SYSTEM_B + [1, 2])
+
+
+def test_cached_prefix_longer_than_the_new_prompt_is_truncated():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=1000)
+    long_prompt = SYSTEM_A + list(range(100, 160))
+    chat(eng, cache, long_prompt)
+    short = SYSTEM_A + list(range(100, 110))  # a prefix of what is cached
+    out, st = chat(eng, cache, short)
+    assert st.cached_tokens == len(short) - 1
+    assert eng.target.tokens[: len(short)] == short
+    assert out == cold(short)
+
+
+def test_switching_back_to_an_earlier_conversation_restores_its_saved_cache():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    a = SYSTEM_A + [7, 7]
+    out_a, _ = chat(eng, cache, a)
+    chat(eng, cache, SYSTEM_B + [1])  # a different conversation takes the live cache
+    assert len(cache) == 1 and cache.saves == 1
+    a2 = a + out_a + [4]
+    out, st = chat(eng, cache, a2)
+    assert cache.restores == 1
+    assert st.cached_tokens == len(a) + len(out_a) - 1
+    assert out == cold(a2)
+
+
+def test_short_histories_are_not_worth_saving():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=100)
+    chat(eng, cache, SYSTEM_A)
+    chat(eng, cache, SYSTEM_B)
+    assert len(cache) == 0
+
+
+def test_least_recently_used_entries_are_evicted_within_the_budget():
+    rt = FakeRuntime(n_ctx=4096)
+    eng = Engine(rt)
+    per_entry = (40 + 8) * 4 * 2  # FakeRuntime state: 4 bytes per token, plus 4 per token of bookkeeping
+    cache = PrefixCache(budget_bytes=2 * per_entry + 10, min_tokens=16)
+    convs = [[100 * i + j for j in range(40)] for i in range(1, 5)]
+    for c in convs:
+        chat(eng, cache, c)
+    assert len(cache) == 2  # the two most recent earlier conversations
+    assert cache.bytes <= cache.budget
+    kept = {tuple(e.tokens[:40]) for e in cache._entries.values()}
+    assert kept == {tuple(convs[1]), tuple(convs[2])}
+
+
+def test_a_grown_conversation_supersedes_its_older_save():
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    a = SYSTEM_A + [1]
+    out, _ = chat(eng, cache, a)
+    chat(eng, cache, SYSTEM_B)  # saves A
+    chat(eng, cache, a + out + [2])  # restores A, saves B
+    chat(eng, cache, SYSTEM_B + [5])  # restores B, saves the longer A
+    assert len(cache) == 1
+    assert cache._entries[max(cache._entries)].tokens[: len(a)] == a
