@@ -48,6 +48,8 @@ EXPLORE_BUDGET = 0.03
 PROBE_EWMA = 0.35
 # ngram acceptance is tracked per match length 2..8; 8 stands for "8 or more" (copying).
 NGRAM_TOP_BUCKET = 8
+# Offset of the acceptance buckets of sampled (temperature > 0) requests.
+SAMPLED = 100
 
 
 class CostModel:
@@ -204,6 +206,7 @@ class Controller:
         self.explore_s = 0.0  # time lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
         self._probing: tuple[str, int] | None = None  # (proposer, k) of a decided probe step
+        self.sampled = False  # the current request samples (temperature > 0); set per request
 
     # -- SpeculationPolicy -----------------------------------------------------------------
 
@@ -217,7 +220,7 @@ class Controller:
         return {
             p
             for p in self.proposers
-            if p != "ngram" and self._best(p, self.k_max, (p, 0)).rate >= self.cfg.min_gain * plain.rate
+            if p != "ngram" and self._best(p, self.k_max, self._key(p, 0)).rate >= self.cfg.min_gain * plain.rate
         }
 
     def decide(self, context: Sequence[int]) -> Decision:
@@ -270,18 +273,20 @@ class Controller:
 
     def _key(self, proposer: str, match_len: int) -> tuple[str, int]:
         """Acceptance is tracked per proposer, and for ngram per match length: a match of 8+
-        tokens means the output is copying (an edit), a 2-token match is often a coincidence."""
-        if proposer != "ngram":
-            return (proposer, 0)
-        return (proposer, min(max(match_len, self.ngram_min), NGRAM_TOP_BUCKET))
+        tokens means the output is copying (an edit), a 2-token match is often a coincidence.
+        Sampled requests are tracked apart (bucket + SAMPLED): a token drawn at temperature 0.8
+        is accepted less often than an argmax, and mixing the two would mislead both."""
+        bucket = 0 if proposer != "ngram" else min(max(match_len, self.ngram_min), NGRAM_TOP_BUCKET)
+        return (proposer, bucket + (SAMPLED if self.sampled else 0))
 
     def _prior(self, key: tuple[str, int]) -> float:
         """Acceptance assumed before any observation. For ngram it rises with the match length
         (prior p at length 2, then 1 - (1 - p) * 2 / m): long matches get tried at once, which
         is what finds an editing workload quickly; data replaces the prior within a few steps."""
         p = self.cfg.prior_acceptance
-        if key[0] == "ngram" and key[1] > 2:
-            return 1.0 - (1.0 - p) * 2.0 / key[1]
+        m = key[1] % SAMPLED
+        if key[0] == "ngram" and m > 2:
+            return 1.0 - (1.0 - p) * 2.0 / m
         return p
 
     def _options(self, context: Sequence[int]) -> dict[str, tuple[tuple[str, int], int]]:
@@ -295,7 +300,7 @@ class Controller:
                 if cont:  # no match: nothing to propose
                     out[p] = (self._key(p, match_len), len(cont))
             else:
-                out[p] = ((p, 0), self.k_max)
+                out[p] = (self._key(p, 0), self.k_max)
         return out
 
     def _plain(self) -> Candidate:
@@ -380,13 +385,24 @@ def calibrate(
     return samples
 
 
+class Observed(FixedPolicy):
+    """A fixed mode whose steps still teach the controller (costs, acceptance)."""
+
+    def __init__(self, proposer: str, k: int, controller: Controller) -> None:
+        super().__init__(proposer, k)
+        self.controller = controller
+
+    def observe(self, step: StepStats) -> None:
+        self.controller.observe(step)
+
+
 def make_policy(mode: str, k: int, controller: Controller | None) -> SpeculationPolicy:
-    """The policy for a request: the shared controller for auto, a fixed one otherwise."""
+    """The policy for a request: the shared controller for auto, a fixed one otherwise (which
+    still reports its steps to the controller when there is one)."""
     if mode == "auto":
         if controller is None:
             raise ValueError("auto mode needs a calibrated controller")
         return controller
-    if mode == "off" or k == 0:
-        return FixedPolicy()
-    return FixedPolicy(mode, k)
+    proposer, k = ("none", 0) if mode == "off" or k == 0 else (mode, k)
+    return Observed(proposer, k, controller) if controller is not None else FixedPolicy(proposer, k)
 

@@ -205,6 +205,7 @@ class Session:
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = "off" if req.mode == "auto" and not self.controller.cost.calibrated() else req.mode
         policy = make_policy(mode, k, self.controller)
+        self.controller.sampled = not req.params.greedy
         self._prepare_cache(tokens)
         stats = GenerationStats()
         events = self.models.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats)

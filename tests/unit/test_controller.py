@@ -168,3 +168,28 @@ def test_a_long_ngram_match_is_tried_on_first_sight():
     c = m.controller(proposers=("ngram",))
     c.ngram_peek = lambda ctx, k: ([1] * 16, 12)  # a 12-token match: the output is copying
     assert c.decide([0] * 20).proposer == "ngram"
+
+
+def test_sampled_and_greedy_requests_learn_acceptance_separately():
+    m = Machine(gpu_cost, {"draft": 0.95}, draft_s=0.002, ngram_cont=0)
+    c = m.controller(proposers=("draft",))
+    m.run(c, 100)  # greedy: drafting pays
+    assert c.view.proposer == "draft"
+    c.sampled = True
+    m.acceptance["draft"] = 0.0
+    m.run(c, 60)  # sampled requests reject everything
+    assert c.view.proposer == PLAIN
+    c.sampled = False
+    m.acceptance["draft"] = 0.95
+    assert c.decide([0] * 20).proposer == "draft"  # greedy estimates were not dragged down
+
+
+def test_fixed_mode_steps_still_teach_the_controller():
+    from homespec.controller import make_policy
+
+    m = Machine(cpu_cost, {"ngram": 1.0})
+    c = m.controller(proposers=("ngram",))
+    policy = make_policy("ngram", 4, c)
+    before = c.acc.observations(c._key("ngram", 5))
+    policy.observe(StepStats("ngram", 4, 4, 4, 0.0, cpu_cost(5), (True,) * 4, {"match_len": 5.0}))
+    assert c.acc.observations(c._key("ngram", 5)) == before + 1
