@@ -53,43 +53,73 @@ SAMPLED = 100
 
 
 class CostModel:
-    """Seconds for a target pass over n tokens, and for proposing, measured and updated."""
+    """Seconds for a target pass over n tokens, and for proposing, measured and updated.
+
+    t_verify(n) = speed x shape[n]. The shape (how the cost grows with n) is calibrated at
+    warm-up and refined slowly from live steps; `speed` follows the machine's current pace from
+    every step, whatever its n (a home server also runs other things: when a backup makes every
+    pass 2x slower, all n slow down together, including sizes the controller is not using now).
+    It is an EWMA in log space, so one stalled step cannot swing it far. Proposer costs are
+    stored at calibration pace and scaled the same way.
+    """
+
+    SPEED_EWMA = 0.2  # the pace adapts within ~5 steps
 
     def __init__(self, n_max: int, alpha: float) -> None:
         self.n_max = n_max  # largest pass measured: k_max + 1
-        self.alpha = alpha
-        self.verify_s = np.full(n_max + 1, np.nan)  # [n_max + 1], index n = tokens in the pass
-        self.propose_s: dict[str, float] = {}  # proposer -> seconds per proposed token
-        self.catchup_s: dict[str, float] = {}  # proposer -> seconds per token caught up (prefill-like)
+        self.alpha = alpha  # EWMA weight for the shape and proposer costs
+        self.shape = np.full(n_max + 1, np.nan)  # [n_max + 1] seconds at calibration pace, index n
+        self.log_speed = 0.0  # log(current pace / calibration pace)
+        self.propose_s: dict[str, float] = {}  # proposer -> seconds per proposed token (calibration pace)
+        self.catchup_s: dict[str, float] = {}  # proposer -> seconds per token caught up (calibration pace)
+
+    @property
+    def speed(self) -> float:
+        return float(np.exp(self.log_speed))
+
+    @property
+    def verify_s(self) -> np.ndarray:
+        """[n_max + 1] current seconds per pass over n tokens (index 0 unused)."""
+        return self.shape * self.speed
 
     def set_verify(self, samples: Mapping[int, float]) -> None:
         """Calibration: seconds per pass at measured sizes; the rest is interpolated."""
         ns = sorted(n for n in samples if 1 <= n <= self.n_max)
         xs = np.arange(1, self.n_max + 1)
-        self.verify_s[1:] = np.interp(xs, ns, [samples[n] for n in ns])
+        self.shape[1:] = np.interp(xs, ns, [samples[n] for n in ns])
+        self.log_speed = 0.0
 
     def calibrated(self) -> bool:
-        return not np.isnan(self.verify_s[1])
+        return not np.isnan(self.shape[1])
 
     def verify(self, n: int) -> float:
         n = min(max(n, 1), self.n_max)
-        return float(self.verify_s[n])
+        return float(self.shape[n] * self.speed)
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        if 1 <= n <= self.n_max:
-            old = self.verify_s[n]
-            self.verify_s[n] = seconds if np.isnan(old) else old + self.alpha * (seconds - old)
+        if not (1 <= n <= self.n_max) or seconds <= 0:
+            return
+        if np.isnan(self.shape[n]):
+            self.shape[n] = seconds / self.speed
+            return
+        self.log_speed += self.SPEED_EWMA * (np.log(seconds / self.shape[n]) - self.log_speed)
+        if n > 1:  # shape[1] anchors the pace: otherwise shape and speed could trade the same drift
+            self.shape[n] += self.alpha * (seconds / self.speed - self.shape[n])
 
     def propose(self, proposer: str, k: int) -> float:
-        return self.propose_s.get(proposer, 0.0) * k
+        return self.propose_s.get(proposer, 0.0) * k * self.speed
 
     def observe_propose(self, proposer: str, k: int, seconds: float) -> None:
         if k > 0:
-            _ewma(self.propose_s, proposer, seconds / k, self.alpha)
+            _ewma(self.propose_s, proposer, seconds / k / self.speed, self.alpha)
+
+    def catchup(self, proposer: str, tokens: int) -> float:
+        per = self.catchup_s.get(proposer, self.propose_s.get(proposer, 0.0))
+        return per * tokens * self.speed
 
     def observe_catchup(self, proposer: str, tokens: int, seconds: float) -> None:
         if tokens > 0:
-            _ewma(self.catchup_s, proposer, seconds / tokens, self.alpha)
+            _ewma(self.catchup_s, proposer, seconds / tokens / self.speed, self.alpha)
 
 
 def _ewma(d: dict[str, float], key: str, x: float, alpha: float) -> None:
@@ -264,6 +294,8 @@ class Controller:
         rate = step.emitted / step.seconds if step.seconds > 0 else 0.0
         v = self.view
         v.effective_tps = rate if v.effective_tps is None else v.effective_tps + 0.05 * (rate - v.effective_tps)
+        if self.cost.calibrated():  # fresh also when fixed-mode requests never call decide()
+            v.baseline_tps = 1.0 / self.cost.verify(1)
         if v.baseline_tps:
             v.speedup = v.effective_tps / v.baseline_tps
         choice = f"{step.proposer}:{step.k}"
@@ -335,8 +367,7 @@ class Controller:
         key, k_avail = options[p]
         k = min(k_avail, 4)  # enough positions to learn from, cheaply
         probe = self._candidate(p, k, self.acc.expected_emitted(key))
-        lag = self.lag(p, context) if self.lag else 0
-        catchup = lag * self.cost.catchup_s.get(p, self.cost.propose_s.get(p, 0.0))
+        catchup = self.cost.catchup(p, self.lag(p, context) if self.lag else 0)
         expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * plain.seconds)
         if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None

@@ -193,3 +193,15 @@ def test_fixed_mode_steps_still_teach_the_controller():
     before = c.acc.observations(c._key("ngram", 5))
     policy.observe(StepStats("ngram", 4, 4, 4, 0.0, cpu_cost(5), (True,) * 4, {"match_len": 5.0}))
     assert c.acc.observations(c._key("ngram", 5)) == before + 1
+
+
+def test_cost_model_follows_a_machine_wide_slowdown_for_sizes_it_does_not_use():
+    m = Machine(cpu_cost, {})
+    c = m.controller(proposers=("draft",))
+    v17 = c.cost.verify(17)
+    for _ in range(15):  # the machine gets 2x slower; only plain steps (n = 1) are observed
+        c.observe(StepStats(PLAIN, 0, 0, 0, 0.0, 2 * cpu_cost(1)))
+    assert c.cost.verify(1) == pytest.approx(2 * cpu_cost(1), rel=0.05)
+    assert c.cost.verify(17) == pytest.approx(2 * v17, rel=0.05)
+    c.decide([0] * 10)
+    assert c.view.baseline_tps == pytest.approx(1 / (2 * cpu_cost(1)), rel=0.05)
