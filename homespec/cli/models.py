@@ -57,7 +57,7 @@ def _local_refs(cfg) -> list[tuple[str, object]]:  # (role, resolved path) of mo
 def _select(names: list[str], registry: dict, cfg, *, extra: list[str]) -> list:
     """Registry entries for explicit names, else the config's models plus `extra`, in order."""
     from homespec.errors import UserError
-    from homespec.models import get_entry
+    from homespec.registry import get_entry
 
     if names:
         return [get_entry(registry, n) for n in dict.fromkeys(names)]
@@ -161,7 +161,7 @@ def _verify(args, cfg, registry, models_dir) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from homespec.models import load_registry
+    from homespec.registry import load_registry
 
     from homespec.config import load_config
 

