@@ -167,8 +167,11 @@ class Daemon:
                 raise NotReady(self.state, retry_after_s=5)
             if self.state == "failed":
                 raise NotReady(f"failed to load: {self.error}", retry_after_s=60)
-            busy = self._running is not None
-            if len(self._queue) >= self.cfg.server.queue_depth and (busy or self._queue):
+            # Room for one running job plus queue_depth waiting. Count them together: a job the
+            # worker has not popped yet is about to run, so whether it still sits in the queue
+            # (a thread-scheduling race) must not decide between 200 and 429.
+            in_system = len(self._queue) + (self._running is not None)
+            if in_system >= self.cfg.server.queue_depth + 1:
                 raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1))
             self._queue.append(job)
             self.metrics.queue_waiting.set(len(self._queue))
@@ -329,6 +332,9 @@ class Daemon:
             return
         except UserError as e:
             job.sink(JobEvent("error", text=str(e), status=400, code="invalid_request"))
+            return
+        except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text
+            job.sink(JobEvent("error", text=f"text is not valid Unicode: {e.reason} at position {e.start}", status=400, code="invalid_request"))
             return
         job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode}))
         status = "ok"

@@ -72,7 +72,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI: a signed 64-bit integer
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
@@ -131,6 +131,13 @@ class CompletionRequest(_Common):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, v: str | list[str]) -> str | list[str]:
+        if v == "" or v == [""]:
+            raise ValueError("prompt must not be empty")
+        return v
 
     @model_validator(mode="after")
     def _completion_unsupported(self) -> "CompletionRequest":

@@ -73,16 +73,11 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     if cfg.server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cfg.server.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])
     app.add_middleware(_BodyLimit, max_bytes=cfg.server.max_body_bytes)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next):  # noqa: ANN001, ANN202 - Starlette middleware
-        if api_key and not request.url.path.startswith(OPEN_PATHS) and request.method != "OPTIONS":
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                msg = "missing API key (send 'Authorization: Bearer <key>')" if not token else "invalid API key"
-                return _error(oa.ApiError(401, msg, code="invalid_api_key"))
-        return await call_next(request)
+    if api_key:
+        # Pure ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware wraps `receive`
+        # so that Request.is_disconnected() never sees the client leave, and a non-streaming
+        # request whose client hung up would generate on until its timeout.
+        app.add_middleware(_Auth, api_key=api_key)
 
     @app.exception_handler(oa.ApiError)
     async def api_error(_: Request, e: oa.ApiError) -> JSONResponse:
@@ -95,7 +90,7 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found" if e.status_code == 404 else None
-        return _error(oa.ApiError(e.status_code, str(e.detail), code=kind))
+        return _error(oa.ApiError(e.status_code, str(e.detail), code=kind, headers=e.headers))  # e.g. 405's Allow
 
     @app.exception_handler(Exception)
     async def crash(_: Request, e: Exception) -> JSONResponse:
@@ -124,7 +119,8 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
                 repetition_penalty=pick(body.repetition_penalty, s.repetition_penalty),
                 presence_penalty=pick(body.presence_penalty, s.presence_penalty),
                 frequency_penalty=pick(body.frequency_penalty, s.frequency_penalty),
-                seed=body.seed,
+                # OpenAI's seed is a signed int64; numpy wants a non-negative one: map it 1:1.
+                seed=None if body.seed is None else body.seed % 2**64,
             )
         except ValueError as e:
             raise oa.ApiError(400, str(e)) from None
@@ -146,7 +142,7 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
                               headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
         first = await bridge.next(request, job)
         if first.kind == "error":
-            raise oa.ApiError(first.status, first.text, code=first.code)
+            raise _job_error(first)
         rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
         meta = first.extra
         if body.stream:
@@ -158,7 +154,7 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
             if ev.kind == "delta":
                 text.append(ev.text)
             elif ev.kind == "error":
-                raise oa.ApiError(ev.status, ev.text, code=ev.code)
+                raise _job_error(ev)
             elif ev.kind == "done":
                 extra = _extra(daemon, ev, meta)
                 build = oa.chat_body if kind == "chat" else oa.completion_body
@@ -176,7 +172,7 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
                 if ev.kind == "delta" and ev.text:
                     yield {"data": json.dumps(chunk(ev.text))}
                 elif ev.kind == "error":
-                    yield {"data": json.dumps(oa.ApiError(ev.status, ev.text, code=ev.code).body())}
+                    yield {"data": json.dumps(_job_error(ev).body())}
                     break
                 elif ev.kind == "done":
                     yield {"data": json.dumps(chunk("", oa.openai_finish(ev.finish_reason)))}
@@ -243,6 +239,10 @@ def _extra(daemon: Daemon, ev: JobEvent, meta: dict) -> dict:
     return oa.homespec_stats(ev.stats, meta.get("mode", "auto"), bool(meta.get("cold")), baseline)
 
 
+def _job_error(ev: JobEvent) -> oa.ApiError:
+    return oa.ApiError(ev.status, ev.text, type="server_error" if ev.status >= 500 else "invalid_request_error", code=ev.code)
+
+
 def _error(e: oa.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -262,6 +262,23 @@ def _validation_error(e: RequestValidationError) -> oa.ApiError:
     return oa.ApiError(400, msg, param=param)
 
 
+class _Auth:
+    """401 for requests without the right bearer key, except the open paths (pure ASGI)."""
+
+    def __init__(self, app, api_key: str) -> None:  # noqa: ANN001 - ASGI app
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS) or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            msg = "missing API key (send 'Authorization: Bearer <key>')" if not token else "invalid API key"
+            return await _error(oa.ApiError(401, msg, code="invalid_api_key"))(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class _BodyLimit:
     """413 for bodies over max_bytes, by Content-Length or while streaming in (pure ASGI)."""
 
@@ -277,19 +294,32 @@ class _BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await _error(too_big)(scope, receive, send)
         seen = 0
+        cut = started = False
 
         async def limited():  # noqa: ANN202
-            nonlocal seen
+            nonlocal seen, cut
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    cut = True
                     raise _TooBig()
             return message
 
+        async def guarded(message) -> None:  # noqa: ANN001
+            # FastAPI turns any error while reading the body into its own 400 ("error parsing
+            # the body"): once the body was cut, drop whatever the app answers and send the 413.
+            nonlocal started
+            if cut:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, guarded)
         except _TooBig:
+            pass
+        if cut and not started:
             await _error(too_big)(scope, receive, send)
 
 

@@ -114,15 +114,20 @@ def main(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=max(1, int(cfg.server.drain_timeout_s)),
         )
     )
-    default_exit = server.handle_exit
 
     def handle_exit(sig: int, frame) -> None:  # noqa: ANN001 - signal handler
         # SIGTERM/SIGINT: stop taking work first (queued requests get 503), then let uvicorn stop
         # listening and wait for in-flight streams up to drain_timeout_s.
+        # uvicorn's own handler is not called on purpose: it records the signal and raises it
+        # again after the graceful shutdown, so the process would die by SIGTERM (status -15)
+        # before `daemon.shutdown` below runs; and sse-starlette patches it to end every open
+        # stream at once, which would cut the answers the drain is meant to let finish.
         log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, cfg.server.drain_timeout_s)
         notifier.stopping()
         daemon.begin_drain()
-        default_exit(sig, frame)
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True  # a second Ctrl-C: stop now, as uvicorn does
+        server.should_exit = True
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
     daemon.start()
