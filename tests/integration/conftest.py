@@ -6,6 +6,7 @@ import pytest
 
 from homespec.runtime import Runtime, RuntimeOptions
 from tests.conftest import DRAFT, TARGET, require
+from tests.integration.server_fixtures import served  # noqa: F401 - one daemon for every module
 
 # Small contexts keep the KV cache and the tests light; every prompt here is short.
 OPTS = RuntimeOptions(n_ctx=1024, n_batch=256)

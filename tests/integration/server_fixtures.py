@@ -78,10 +78,11 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_
 class ThreadServer:
     """uvicorn.Server on a pre-bound loopback socket, run in a background thread."""
 
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: object, port: int = 0) -> None:
+        """port 0: any free port; a given port lets a test restart a server where it was."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)

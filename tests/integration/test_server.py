@@ -22,11 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from homespec.stats_schema import StatsView
-from tests.integration import server_fixtures
 from tests.integration.server_fixtures import API_KEY, MAX_BODY, N_CTX, QUEUE_DEPTH, Served, wait_for
 
 pytestmark = pytest.mark.integration
-served = server_fixtures.served  # the session fixture: one model load for this module
 
 # Prompts with large top-2 margins over the lengths used (see the module docstring).
 PARIS = "What is the capital of France? Answer with one word."  # "Paris"
