@@ -17,15 +17,12 @@ from homespec.errors import UserError
 from homespec.memory import (
     MIN_SHRINK_CTX,
     MODEL_OVERHEAD,
-    RELOAD_MARGIN,
     VERIFY_OUTPUTS,
     Footprint,
     Headroom,
-    HeadroomWatcher,
     InsufficientMemory,
     NvmlVram,
     compute_buffer,
-    decide,
     estimate,
     fmt_bytes,
     pair_footprints,
@@ -33,6 +30,7 @@ from homespec.memory import (
     prefix_cache_budget,
     read_headroom,
 )
+from homespec.memory_watch import RELOAD_MARGIN, HeadroomWatcher, decide
 
 MiB = 1024**2
 GiB = 1024**3
