@@ -14,14 +14,14 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import psutil
 import yaml
 
-from homespec.controller import Controller, expected_emitted
+from homespec.controller import Controller
+from homespec.estimates import expected_emitted
 from homespec.engine import FixedPolicy, GenerationStats, StepStats
 from homespec.sampling import SamplingParams
 from homespec.session import Session

@@ -1,0 +1,141 @@
+"""What the controller knows, measured: how long target passes and proposals take on this
+machine (CostModel) and how often proposed tokens are accepted at each draft position
+(AcceptanceModel). Both learn from every step; neither decides anything.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+
+class CostModel:
+    """Seconds for a target pass over n tokens, and for proposing, measured and updated.
+
+    t_verify(n) = speed x shape[n]. The shape (how the cost grows with n) is calibrated at
+    warm-up and refined slowly from live steps; `speed` follows the machine's current pace from
+    every step, whatever its n (a home server also runs other things: when a backup makes every
+    pass 2x slower, all n slow down together, including sizes the controller is not using now).
+    It is an EWMA in log space, so one stalled step cannot swing it far. Proposer costs are
+    stored at calibration pace and scaled the same way.
+    """
+
+    SPEED_EWMA = 0.2  # the pace adapts within ~5 steps
+
+    def __init__(self, n_max: int, alpha: float) -> None:
+        self.n_max = n_max  # largest pass measured: k_max + 1
+        self.alpha = alpha  # EWMA weight for the shape and proposer costs
+        self.shape = np.full(n_max + 1, np.nan)  # [n_max + 1] seconds at calibration pace, index n
+        self.log_speed = 0.0  # log(current pace / calibration pace)
+        self.propose_s: dict[str, float] = {}  # proposer -> seconds per proposed token (calibration pace)
+        self.catchup_s: dict[str, float] = {}  # proposer -> seconds per token caught up (calibration pace)
+
+    @property
+    def speed(self) -> float:
+        return float(np.exp(self.log_speed))
+
+    @property
+    def verify_s(self) -> np.ndarray:
+        """[n_max + 1] current seconds per pass over n tokens (index 0 unused)."""
+        return self.shape * self.speed
+
+    def set_verify(self, samples: Mapping[int, float]) -> None:
+        """Calibration: seconds per pass at measured sizes; the rest is interpolated."""
+        ns = sorted(n for n in samples if 1 <= n <= self.n_max)
+        xs = np.arange(1, self.n_max + 1)
+        self.shape[1:] = np.interp(xs, ns, [samples[n] for n in ns])
+        self.log_speed = 0.0
+
+    def calibrated(self) -> bool:
+        return not np.isnan(self.shape[1])
+
+    def verify(self, n: int) -> float:
+        n = min(max(n, 1), self.n_max)
+        return float(self.shape[n] * self.speed)
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        if not (1 <= n <= self.n_max) or seconds <= 0:
+            return
+        if np.isnan(self.shape[n]):
+            self.shape[n] = seconds / self.speed
+            return
+        self.log_speed += self.SPEED_EWMA * (np.log(seconds / self.shape[n]) - self.log_speed)
+        if n > 1:  # shape[1] anchors the pace: otherwise shape and speed could trade the same drift
+            self.shape[n] += self.alpha * (seconds / self.speed - self.shape[n])
+
+    def propose(self, proposer: str, k: int) -> float:
+        return self.propose_s.get(proposer, 0.0) * k * self.speed
+
+    def observe_propose(self, proposer: str, k: int, seconds: float) -> None:
+        if k > 0:
+            _ewma(self.propose_s, proposer, seconds / k / self.speed, self.alpha)
+
+    def catchup(self, proposer: str, tokens: int) -> float:
+        per = self.catchup_s.get(proposer, self.propose_s.get(proposer, 0.0))
+        return per * tokens * self.speed
+
+    def observe_catchup(self, proposer: str, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            _ewma(self.catchup_s, proposer, seconds / tokens / self.speed, self.alpha)
+
+
+def _ewma(d: dict[str, float], key: str, x: float, alpha: float) -> None:
+    old = d.get(key)
+    d[key] = x if old is None else old + alpha * (x - old)
+
+
+class AcceptanceModel:
+    """a_i per (proposer, bucket): P(position i accepted | all before it accepted).
+
+    Each position keeps the mean of its outcomes (a plain mean for the first 1/alpha
+    observations, an EWMA afterwards, so it forgets an old workload). Decisions use a shrunk
+    estimate: position i is pulled towards position i - 1 by SHRINK pseudo-observations, and
+    position 1 towards the prior. A rarely tested deep position thus inherits its shallower
+    neighbour's rate instead of a fixed prior, so k can grow when every drafted token passes —
+    and one unlucky observation cannot pin k down.
+    """
+
+    SHRINK = 2.0  # pseudo-observations pulling a position towards the one before it
+
+    def __init__(self, k_max: int, alpha: float, prior: float | Callable[[tuple[str, int]], float]) -> None:
+        self.k_max, self.alpha = k_max, alpha
+        self.prior = prior if callable(prior) else (lambda key: prior)
+        self._mean: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observed acceptance
+        self._n: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observations
+
+    def _arrays(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
+        if key not in self._mean:
+            self._mean[key] = np.zeros(self.k_max)
+            self._n[key] = np.zeros(self.k_max, dtype=np.int64)
+        return self._mean[key], self._n[key]
+
+    def observations(self, key: tuple[str, int]) -> int:
+        return int(self._n[key][0]) if key in self._n else 0
+
+    def observe(self, key: tuple[str, int], outcomes: Sequence[bool], alpha: float | None = None) -> None:
+        mean, n = self._arrays(key)
+        for i, ok in enumerate(outcomes[: self.k_max]):
+            w = max(alpha or self.alpha, 1.0 / (n[i] + 1))
+            mean[i] += w * (float(ok) - mean[i])
+            n[i] += 1
+
+    def rates(self, key: tuple[str, int]) -> np.ndarray:
+        """[k_max] the shrunk conditional acceptance used for decisions."""
+        mean, n = self._arrays(key)
+        weight = np.minimum(n, 1.0 / self.alpha)  # an EWMA remembers ~1/alpha observations
+        out = np.empty(self.k_max)
+        prev = self.prior(key)
+        for i in range(self.k_max):
+            prev = out[i] = (weight[i] * mean[i] + self.SHRINK * prev) / (weight[i] + self.SHRINK)
+        return out
+
+    def expected_emitted(self, key: tuple[str, int]) -> np.ndarray:
+        """[k_max + 1]: E[tokens emitted by a step] for k = 0..k_max."""
+        return expected_emitted(self.rates(key))
+
+
+def expected_emitted(rates: np.ndarray) -> np.ndarray:
+    """Conditional acceptance a [k] -> E[emitted tokens] [k + 1] for k = 0..len(a):
+    E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i (the bonus token plus each accepted prefix)."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(rates))])
