@@ -22,7 +22,7 @@ import yaml
 
 from homespec.controller import Controller
 from homespec.estimates import expected_emitted
-from homespec.engine import FixedPolicy, GenerationStats, StepStats
+from homespec.engine import FixedPolicy, GenerationStats, StepStats, StepTally
 from homespec.sampling import SamplingParams
 from homespec.session import Session
 
@@ -102,16 +102,9 @@ class ArmResult:
     decode_tokens: int = 0
     decode_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
-    proposed: int = 0
-    accepted: int = 0
-    steps: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
     rss_mib: float = 0.0
     same_as_plain: int = 0
-    chosen: dict[str, int] = field(default_factory=dict)
-    pos_hits: list[int] = field(default_factory=list)  # [k] accepted at draft position i
-    pos_tries: list[int] = field(default_factory=list)  # [k] tested at draft position i
+    tally: StepTally = field(default_factory=StepTally)
     expected_gain: float | None = None
     # Filled in by finish():
     tok_s: float | None = None  # decode tokens/s (after the first token)
@@ -132,36 +125,19 @@ class ArmResult:
         self.rss_mib = max(self.rss_mib, run.rss_mib)
         self.same_as_plain += plain_text is not None and run.text == plain_text
         for s in run.steps:
-            self.steps += 1
-            self.proposed += s.proposed
-            self.accepted += s.accepted
-            self.draft_s += s.draft_s
-            self.verify_s += s.verify_s
-            key = f"{s.proposer}:{s.k}"
-            self.chosen[key] = self.chosen.get(key, 0) + 1
-            for i, ok in enumerate(s.outcomes):
-                if i >= len(self.pos_tries):
-                    self.pos_hits.append(0)
-                    self.pos_tries.append(0)
-                self.pos_tries[i] += 1
-                self.pos_hits[i] += ok
-
-    @property
-    def position_acceptance(self) -> list[float]:
-        """Per draft position: P(accepted | reached)."""
-        return [h / t for h, t in zip(self.pos_hits, self.pos_tries) if t]
+            self.tally.add(s)
 
     def finish(self, plain_tok_s: float | None) -> None:
+        t = self.tally
         self.tok_s = self.decode_tokens / self.decode_s if self.decode_s > 0 else None
         self.e2e_tok_s = self.tokens / self.seconds if self.seconds > 0 else None
         if self.tok_s and plain_tok_s:
             self.speedup = self.tok_s / plain_tok_s
-        if self.proposed:
-            self.acceptance_rate = self.accepted / self.proposed
-        if self.steps:
-            self.acceptance_length = (self.accepted + self.steps) / self.steps
-            self.draft_ms = 1000 * self.draft_s / self.steps
-            self.verify_ms = 1000 * self.verify_s / self.steps
+        self.acceptance_rate = t.acceptance_rate
+        self.acceptance_length = t.acceptance_length
+        if t.steps:
+            self.draft_ms = 1000 * t.draft_s / t.steps
+            self.verify_ms = 1000 * t.verify_s / t.steps
 
 
 class _Recorder(FixedPolicy):
@@ -271,7 +247,7 @@ def run_bench(
             r.finish(plain.tok_s if plain else None)
             if r.expected_gain is None:
                 arm = next(a for a in arms if a.name == r.arm)
-                r.expected_gain = predicted_gain(session.controller, arm.mode, arm.k, r.position_acceptance)
+                r.expected_gain = predicted_gain(session.controller, arm.mode, arm.k, r.tally.position_acceptance)
         results.extend(by_arm.values())
     return BenchReport(
         machine={"cpu_threads": models.target.n_threads, "cpus": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)},

@@ -94,31 +94,36 @@ class FixedPolicy:
 
 
 @dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV cache was reused from before
-    completion_tokens: int = 0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0  # time to first token (prefill + first sample)
-    total_s: float = 0.0
+class StepTally:
+    """Sums over steps — what a request's stats, a bench arm and the live window all report."""
+
     steps: int = 0
     spec_steps: int = 0  # steps that proposed at least one token
     proposed: int = 0
     accepted: int = 0
+    emitted: int = 0  # accepted + one bonus per step (before stop truncation)
     draft_s: float = 0.0
     verify_s: float = 0.0
-    finish_reason: str | None = None
     by_choice: dict[str, int] = field(default_factory=dict)  # "ngram:4" -> steps
+    pos_hits: list[int] = field(default_factory=list)  # [k] accepted at draft position i
+    pos_tries: list[int] = field(default_factory=list)  # [k] reached at draft position i
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
         self.spec_steps += s.proposed > 0
         self.proposed += s.proposed
         self.accepted += s.accepted
+        self.emitted += s.emitted
         self.draft_s += s.draft_s
         self.verify_s += s.verify_s
         key = f"{s.proposer}:{s.k}"
         self.by_choice[key] = self.by_choice.get(key, 0) + 1
+        for i, ok in enumerate(s.outcomes):
+            if i == len(self.pos_tries):
+                self.pos_hits.append(0)
+                self.pos_tries.append(0)
+            self.pos_tries[i] += 1
+            self.pos_hits[i] += ok
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -127,7 +132,23 @@ class GenerationStats:
     @property
     def acceptance_length(self) -> float | None:
         """Mean tokens emitted per step (>= 1)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else None
+        return self.emitted / self.steps if self.steps else None
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """Per draft position: P(accepted | reached)."""
+        return [h / t for h, t in zip(self.pos_hits, self.pos_tries) if t]
+
+
+@dataclass
+class GenerationStats(StepTally):
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV cache was reused from before
+    completion_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # time to first token (prefill + first sample)
+    total_s: float = 0.0
+    finish_reason: str | None = None
 
     @property
     def decode_tps(self) -> float | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from homespec.engine import PLAIN, GenerationStats, StepStats
+from homespec.engine import PLAIN, GenerationStats, StepStats, StepTally
 from homespec.stats_schema import RequestRecord, SpeedPoint
 
 STEP_WINDOW = 256  # steps in the rolling acceptance / timing window
@@ -101,33 +101,20 @@ class LiveStats:
                 "requests_served": self.requests_served,
                 "cache": (self.cache_lookups, self.cache_hits, self.tokens_reused, self.tokens_evaluated),
             }
-        spec = [s for s in steps if s.proposer != PLAIN and s.proposed]
-        proposed = sum(s.proposed for s in spec)
-        accepted = sum(s.accepted for s in spec)
-        hits: list[int] = []
-        tries: list[int] = []
-        for s in spec:
-            for i, ok in enumerate(s.outcomes):
-                if i == len(tries):
-                    hits.append(0)
-                    tries.append(0)
-                tries[i] += 1
-                hits[i] += ok
-        draft_s = sum(s.draft_s for s in steps)
-        verify_s = sum(s.verify_s for s in steps)
-        chosen: dict[str, int] = {}
-        for s in steps:
-            key = f"{s.proposer}:{s.k}"
-            chosen[key] = chosen.get(key, 0) + 1
+        t = StepTally()
+        for step in steps:
+            t.add(step)
+        recent = steps[-64:]  # the live rate: the last few seconds of steps
+        recent_s = sum(s.seconds for s in recent)
         out.update(
-            acceptance_rate=accepted / proposed if proposed else None,
-            acceptance_length=(sum(s.emitted for s in steps) / len(steps)) if steps else None,
-            per_position=[round(h / t, 4) for h, t in zip(hits, tries)],
-            draft_ms=1000 * draft_s / len(steps) if steps else None,
-            verify_ms=1000 * verify_s / len(steps) if steps else None,
-            draft_share=draft_s / (draft_s + verify_s) if draft_s + verify_s > 0 else None,
-            tok_s=sum(s.emitted for s in steps[-64:]) / sum(s.seconds for s in steps[-64:]) if steps else None,
-            chosen=chosen,
+            acceptance_rate=t.acceptance_rate,
+            acceptance_length=t.acceptance_length,
+            per_position=[round(x, 4) for x in t.position_acceptance],
+            draft_ms=1000 * t.draft_s / t.steps if t.steps else None,
+            verify_ms=1000 * t.verify_s / t.steps if t.steps else None,
+            draft_share=t.draft_s / (t.draft_s + t.verify_s) if t.draft_s + t.verify_s > 0 else None,
+            tok_s=sum(s.emitted for s in recent) / recent_s if recent_s > 0 else None,
+            chosen=t.by_choice,
         )
         return out
 

@@ -80,7 +80,7 @@ def format_report(report) -> str:  # report: bench.BenchReport
         lines += ["", f"== {wl} (target prefill {report.prefill.get(wl, 0):.0f} tok/s)", header]
         for r in rows:
             ttft = sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else None
-            chosen = ", ".join(f"{k}×{v}" for k, v in sorted(r.chosen.items(), key=lambda kv: -kv[1])[:4]) if r.arm == "auto" else ""
+            chosen = ", ".join(f"{k}×{v}" for k, v in sorted(r.tally.by_choice.items(), key=lambda kv: -kv[1])[:4]) if r.arm == "auto" else ""
             same = f"{r.same_as_plain}/{r.runs}" if r.arm != "plain" else ""
             tok_s = r.tok_s if r.arm != "llama.cpp" else r.e2e_tok_s
             lines.append(
