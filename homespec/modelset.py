@@ -54,6 +54,22 @@ class ModelSet:
     def encode_text(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=False)
 
+    def load_draft(self, cfg: Config) -> None:
+        """Open the configured draft beside the target (refused if its tokenizer differs)."""
+        if self.draft is not None or cfg.models.draft is None:
+            return
+        path = resolve_model_path(cfg, cfg.models.draft)
+        check_tokenizer_compat(self.target_path, path)  # raises IncompatibleTokenizer
+        self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx))
+        self.draft_path = path
+        self.engine.proposers["draft"] = DraftProposer(self.draft, self.target.n_vocab)
+
+    def unload_draft(self) -> None:
+        prop = self.engine.proposers.pop("draft", None)
+        if prop is not None:
+            prop.close()
+        self.draft = None
+
     def close(self) -> None:
         for p in self.engine.proposers.values():
             p.close()
@@ -77,29 +93,26 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
     """Open the target (and the draft unless told not to) and build the engine."""
     t0 = time.perf_counter()
     target_path = resolve_model_path(cfg, cfg.models.target)
-    draft_path = resolve_model_path(cfg, cfg.models.draft) if (with_draft and cfg.models.draft) else None
-    if draft_path is not None:
-        check_tokenizer_compat(target_path, draft_path)  # raises IncompatibleTokenizer
+    if with_draft and cfg.models.draft:
+        # Before any weights load: a mismatched pair should fail in milliseconds, not seconds.
+        check_tokenizer_compat(target_path, resolve_model_path(cfg, cfg.models.draft))
     target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx))
     proposers: dict[str, Any] = {
         "ngram": NgramProposer(cfg.speculation.ngram.n_min, cfg.speculation.ngram.n_max),
     }
-    draft = None
-    if draft_path is not None:
-        assert cfg.models.draft is not None
-        draft = Runtime(draft_path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, target.n_ctx))
-        proposers["draft"] = DraftProposer(draft, target.n_vocab)
     template = ChatTemplate(
         target.chat_template,
         bos_token=target.token_text(target.bos_id) if target.bos_id >= 0 else "",
         eos_token="",
     )
-    ms = ModelSet(target, draft, Engine(target, proposers), template, target_path, draft_path)
+    ms = ModelSet(target, None, Engine(target, proposers), template, target_path, None)
+    if with_draft:
+        ms.load_draft(cfg)
     ms.load_s = time.perf_counter() - t0
     log.info(
         "loaded target %s%s in %.1f s (n_ctx %d, %d threads)",
         target_path.name,
-        f" + draft {draft_path.name}" if draft_path else "",
+        f" + draft {ms.draft_path.name}" if ms.draft_path else "",
         ms.load_s,
         target.n_ctx,
         target.n_threads,

@@ -97,26 +97,14 @@ class Session:
 
     def unload_draft(self) -> None:
         """Free the draft model; speculation continues with the other proposers (or off)."""
-        prop = self.models.engine.proposers.pop("draft", None)
-        if prop is not None:
-            prop.close()
-        self.models.draft = None
+        self.models.unload_draft()
         self.controller.proposers = [p for p in self.controller.proposers if p != "draft"]
 
     def reload_draft(self) -> None:
-        """Load the configured draft back (after headroom returned) and re-time its passes."""
-        if self.models.draft is not None or self.cfg.models.draft is None:
-            return
-        from homespec.models import resolve_model_path
-        from homespec.modelset import runtime_options
-        from homespec.proposers.draft import DraftProposer
-        from homespec.runtime import Runtime
-
-        ref = self.cfg.models.draft
-        rt = Runtime(resolve_model_path(self.cfg, ref), runtime_options(self.cfg, ref.n_gpu_layers, self.models.target.n_ctx))
-        self.models.draft = rt
-        self.models.engine.proposers["draft"] = DraftProposer(rt, self.models.target.n_vocab)
-        if "draft" not in self.controller.proposers:
+        """Load the configured draft back (headroom returned) and hand it to the controller,
+        whose measured draft costs are kept from before."""
+        self.models.load_draft(self.cfg)
+        if self.models.draft is not None and "draft" not in self.controller.proposers:
             self.controller.proposers.append("draft")
             self.controller.last_tried.setdefault("draft", self.controller.step_no)
 
