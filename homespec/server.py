@@ -44,9 +44,12 @@ class ModeBody(BaseModel):
 class _Bridge:
     """Worker-thread events -> an asyncio queue in the request's loop."""
 
+    CHECK_S = 0.5  # how often a waiting handler asks whether its client is still there
+
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._checked = self.loop.time()
 
     def sink(self, ev: JobEvent) -> None:
         try:
@@ -55,14 +58,19 @@ class _Bridge:
             pass
 
     async def next(self, request: Request, job: Job) -> JobEvent:
-        """The next event, cancelling the job if the client disconnects while we wait."""
+        """The next event, cancelling the job if the client disconnects meanwhile. The check
+        runs every CHECK_S whether or not events keep arriving: a fast generation that never
+        lets the queue run dry must notice a hang-up too."""
         while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+            if self.loop.time() - self._checked >= self.CHECK_S:
+                self._checked = self.loop.time()
                 if await request.is_disconnected():
                     job.cancel()
-                    raise asyncio.CancelledError("client disconnected") from None
+                    raise asyncio.CancelledError("client disconnected")
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=self.CHECK_S)
+            except asyncio.TimeoutError:
+                continue
 
 
 def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") -> FastAPI:
