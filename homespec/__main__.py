@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import logging
 import sys
 
@@ -32,8 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
-        if importlib.util.find_spec(f"homespec.cli.{module}") is None:
-            continue  # not built yet in this checkout
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         # Argument declarations are small and import-free, so every `--help` works without

@@ -27,6 +27,7 @@ from homespec.gguf_info import read_gguf_info
 from homespec.memory import LoadPlan, pair_footprints, plan_load, read_headroom
 from homespec.memory_watch import HeadroomWatcher
 from homespec.models import resolve_model_path
+from homespec.proposers.mtp import head_ram
 from homespec.session import GenerationRequest, Session
 from homespec.stats import LiveStats, Metrics
 from homespec.stats_schema import DaemonState, RequestRecord
@@ -239,6 +240,7 @@ class Daemon:
             n_batch=cfg.runtime.n_batch,
             target_gpu_layers=cfg.models.target.n_gpu_layers,
             draft_gpu_layers=cfg.models.draft.n_gpu_layers if cfg.models.draft else 0,
+            target_extra_ram=head_ram(cfg.resolve(cfg.models.mtp)) if cfg.models.mtp else 0,
         )
         plan = plan_load(at, read_headroom(), cfg.memory, n_ctx=cfg.runtime.n_ctx).require()
         self.footprints = at(plan.n_ctx)

@@ -24,7 +24,7 @@ import importlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import TYPE_CHECKING, Callable, Literal
 
@@ -337,11 +337,13 @@ def pair_footprints(
     target_gpu_layers: int = 0,
     draft_gpu_layers: int = 0,
     flash_attn: bool = True,
+    target_extra_ram: int = 0,  # bytes: what rides with the target in RAM (the MTP head)
 ) -> FootprintsAt:
     """The FootprintsAt plan_load wants, from GGUF metadata and the runtime settings."""
 
     def at(n_ctx: int) -> tuple[Footprint, Footprint | None]:
         t = estimate(target, n_ctx, n_batch, target_gpu_layers, flash_attn=flash_attn)
+        t = replace(t, compute_ram=t.compute_ram + target_extra_ram)
         d = None if draft is None else estimate(draft, n_ctx, n_batch, draft_gpu_layers, flash_attn=flash_attn)
         return t, d
 

@@ -20,6 +20,7 @@ from homespec.gguf_info import check_tokenizer_compat
 from homespec.models import resolve_model_path
 from homespec.proposers.draft import DraftProposer
 from homespec.proposers.ngram import NgramProposer
+from homespec.proposers.mtp import head_window, open_mtp
 from homespec.runtime import Runtime, RuntimeOptions
 
 log = logging.getLogger("homespec.modelset")
@@ -76,7 +77,9 @@ class ModelSet:
         self.target.close()
 
 
-def runtime_options(cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False) -> RuntimeOptions:
+def runtime_options(
+    cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0
+) -> RuntimeOptions:
     r = cfg.runtime
     return RuntimeOptions(
         n_ctx=n_ctx or r.n_ctx,
@@ -86,6 +89,7 @@ def runtime_options(cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, em
         use_mmap=r.use_mmap,
         use_mlock=r.use_mlock,
         embeddings=embeddings,
+        hidden_window=hidden_window,
     )
 
 
@@ -96,10 +100,19 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
     if with_draft and cfg.models.draft:
         # Before any weights load: a mismatched pair should fail in milliseconds, not seconds.
         check_tokenizer_compat(target_path, resolve_model_path(cfg, cfg.models.draft))
-    target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx))
+    mtp_path = cfg.resolve(cfg.models.mtp) if cfg.models.mtp else None
+    # The head attends over the target's last `window` hidden states: the target must keep them.
+    window = head_window(mtp_path) if mtp_path else 0  # reads the header only: no torch yet
+    target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx, hidden_window=window))
     proposers: dict[str, Any] = {
         "ngram": NgramProposer(cfg.speculation.ngram.n_min, cfg.speculation.ngram.n_max),
     }
+    if mtp_path:
+        try:
+            proposers["mtp"] = open_mtp(target, mtp_path, target_path, threads=target.n_threads)
+        except BaseException:
+            target.close()
+            raise
     template = ChatTemplate(
         target.chat_template,
         bos_token=target.token_text(target.bos_id) if target.bos_id >= 0 else "",
@@ -110,9 +123,10 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         ms.load_draft(cfg)
     ms.load_s = time.perf_counter() - t0
     log.info(
-        "loaded target %s%s in %.1f s (n_ctx %d, %d threads)",
+        "loaded target %s%s%s in %.1f s (n_ctx %d, %d threads)",
         target_path.name,
         f" + draft {ms.draft_path.name}" if ms.draft_path else "",
+        f" + MTP head {mtp_path.name}" if mtp_path else "",
         ms.load_s,
         target.n_ctx,
         target.n_threads,

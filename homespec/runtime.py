@@ -7,6 +7,8 @@ tokens its KV cache holds (`tokens`), so callers speak in token lists:
     rt.truncate(n)                 -> drop cache entries from position n on
     rt.sync(context)               -> make the cache hold `context` reusing the longest common
                                       prefix, return the logits after it [vocab]
+    rt.hidden_rows(a, b)           -> the target's final hidden states of positions a..b-1,
+                                      kept for the last `hidden_window` positions (MTP head)
 
 It asks llama.cpp for logits only at the positions it uses (the batch's per-token output flags):
 the high-level `Llama(logits_all=True)` keeps an n_ctx x vocab array and runs the output layer
@@ -76,6 +78,11 @@ class RuntimeOptions:
     use_mmap: bool = True
     use_mlock: bool = False
     embeddings: bool = False  # also return final hidden states (the MTP head reads them)
+    # Keep the final hidden states of the last `hidden_window` cached positions (the MTP head's
+    # attention span); 0 = off. llama.cpp computes the output layer for every position of a
+    # batch while embeddings are on, so only the last hidden_window positions of a prefill are
+    # evaluated with them on; speculative steps output every position anyway (cost ~0).
+    hidden_window: int = 0
 
 
 class Runtime:
@@ -111,7 +118,7 @@ class Runtime:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.embeddings = opts.embeddings
-        if opts.embeddings:
+        if opts.embeddings or opts.hidden_window:
             cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token hidden states
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
         if not self._ctx:
@@ -129,6 +136,12 @@ class Runtime:
         self.bos_id: int = llama_cpp.llama_vocab_bos(self._vocab)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.last_hidden: np.ndarray | None = None  # [n_out, n_embd] from the last eval, if enabled
+        self._embeddings_on = opts.embeddings  # llama.cpp's current setting (toggled per batch)
+        # Hidden states of positions [_hid_start, _hid_start + _hid_n), rows of _hid; kept only
+        # as a suffix of self.tokens. Capacity 2 W so that appending moves rows rarely.
+        self._hid = np.empty((2 * opts.hidden_window, self.n_embd), np.float32) if opts.hidden_window else None
+        self._hid_start = 0
+        self._hid_n = 0
 
     # -- evaluation ---------------------------------------------------------------------------
 
@@ -146,21 +159,94 @@ class Runtime:
         outs: list[np.ndarray] = []
         hidden: list[np.ndarray] = []
         step = self.opts.n_batch
-        for start in range(0, n, step):
-            chunk = tokens[start : start + step]
-            is_last_chunk = start + step >= n
-            want = [output == "all" or (output == "last" and is_last_chunk and i == len(chunk) - 1) for i in range(len(chunk))]
-            self._decode(chunk, want)
-            n_out = sum(want)
-            if n_out:
-                outs.append(self._read(llama_cpp.llama_get_logits(self._ctx), n_out, self.n_vocab))
-                if self.opts.embeddings:
-                    hidden.append(self._read(llama_cpp.llama_get_embeddings(self._ctx), n_out, self.n_embd))
+        w = self.opts.hidden_window
+        # Positions [split, n) of this batch end up among the last W cached: they need hidden states.
+        split = max(0, n - w) if w else n
+        if w and split > 0:
+            self._hid_n, self._hid_start = 0, len(self.tokens) + split  # older states are dropped
+        for a, b, emb in ((0, split, self.opts.embeddings), (split, n, True)):
+            if a == b:
+                continue
+            self._set_embeddings(emb)
+            for start in range(a, b, step):
+                chunk = tokens[start : min(start + step, b)]
+                is_last_chunk = start + step >= b and b == n
+                want = [output == "all" or (output == "last" and is_last_chunk and i == len(chunk) - 1) for i in range(len(chunk))]
+                pos0 = len(self.tokens)
+                # With embeddings on llama.cpp outputs every position anyway (and warns when the
+                # flags say otherwise): ask for all, keep the wanted logits rows.
+                self._decode(chunk, [True] * len(chunk) if emb else want)
+                if emb:
+                    self._read_all_outputs(pos0, want, outs, hidden)
+                elif any(want):
+                    outs.append(self._read(llama_cpp.llama_get_logits(self._ctx), sum(want), self.n_vocab))
         if self.opts.embeddings:
             self.last_hidden = np.concatenate(hidden) if hidden else None
         if not outs:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _set_embeddings(self, on: bool) -> None:
+        if on != self._embeddings_on:
+            llama_cpp.llama_set_embeddings(self._ctx, on)
+            self._embeddings_on = on
+
+    def _read_all_outputs(self, pos0: int, want: list[bool], outs: list[np.ndarray], hidden: list[np.ndarray]) -> None:
+        """After a batch decoded with embeddings on, where llama.cpp outputs every position
+        whatever the flags: pick the wanted logits rows, keep the hidden states."""
+        n = len(want)
+        emb = np.ctypeslib.as_array(llama_cpp.llama_get_embeddings(self._ctx), shape=(n * self.n_embd,)).reshape(n, self.n_embd)
+        n_out = sum(want)
+        if n_out == n:
+            outs.append(self._read(llama_cpp.llama_get_logits(self._ctx), n, self.n_vocab))
+        elif n_out:
+            outs.append(np.stack([self._read(llama_cpp.llama_get_logits_ith(self._ctx, i), 1, self.n_vocab)[0]
+                                  for i in range(n) if want[i]]))
+        if self.opts.embeddings and n_out:
+            hidden.append(emb[np.asarray(want)].copy())
+        if self._hid is not None:
+            self._push_hidden(pos0, emb)
+
+    def _push_hidden(self, pos0: int, rows: np.ndarray) -> None:
+        """Append the hidden states of positions pos0.. ; at least the last hidden_window stay."""
+        w, n = self.opts.hidden_window, rows.shape[0]
+        if self._hid_start + self._hid_n != pos0:  # not contiguous with what is kept: start over
+            self._hid_start, self._hid_n = pos0, 0
+        if n >= w:
+            self._hid[:w] = rows[n - w :]
+            self._hid_start, self._hid_n = pos0 + n - w, w
+            return
+        if self._hid_n + n > self._hid.shape[0]:  # full: move the w - n newest rows to the front
+            keep = w - n
+            self._hid[:keep] = self._hid[self._hid_n - keep : self._hid_n]
+            self._hid_start += self._hid_n - keep
+            self._hid_n = keep
+        self._hid[self._hid_n : self._hid_n + n] = rows
+        self._hid_n += n
+
+    @property
+    def hidden_start(self) -> int:
+        """First position whose hidden state is kept (len(tokens) when none is)."""
+        if self._hid_n and self._hid_start + self._hid_n == len(self.tokens):
+            return self._hid_start
+        return len(self.tokens)
+
+    def hidden_rows(self, start: int, stop: int) -> np.ndarray:
+        """Final hidden states of positions [start, stop) as float32 [stop - start, n_embd] (a copy).
+
+        Needs RuntimeOptions.hidden_window; the positions must lie in [hidden_start, len(tokens)).
+        """
+        if start == stop:
+            return np.empty((0, self.n_embd), np.float32)
+        if not (self.hidden_start <= start <= stop <= len(self.tokens)):
+            raise IndexError(f"hidden states of positions [{start}, {stop}) not kept "
+                             f"(kept: [{self.hidden_start}, {len(self.tokens)}))")
+        a = start - self._hid_start
+        return self._hid[a : a + stop - start].copy()
+
+    def hidden_at(self, pos: int) -> np.ndarray:
+        """The final hidden state of one cached position [n_embd]."""
+        return self.hidden_rows(pos, pos + 1)[0]
 
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         b = self._batch
@@ -192,8 +278,10 @@ class Runtime:
                 # Cannot happen for a standard KV cache; for a recurrent one start over.
                 llama_cpp.llama_memory_clear(self._mem, True)
                 self.tokens.clear()
+                self._hid_n = 0
                 return
             del self.tokens[n:]
+            self._hid_n = max(0, min(self._hid_n, n - self._hid_start))
 
     def sync(self, context: Sequence[int], output: Output = "last") -> np.ndarray:
         """Make the cache hold `context`, reusing the longest common prefix already cached.
@@ -210,6 +298,7 @@ class Runtime:
     def reset(self) -> None:
         llama_cpp.llama_memory_clear(self._mem, True)
         self.tokens.clear()
+        self._hid_start = self._hid_n = 0
 
     # -- saved states (prefix cache) ----------------------------------------------------------
 
@@ -227,6 +316,7 @@ class Runtime:
             self.reset()
             raise RuntimeError("llama.cpp refused a saved KV state")
         self.tokens = list(tokens)
+        self._hid_start = len(self.tokens)  # a restored cache comes without hidden states
 
     # -- vocabulary ---------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Warm-up does two jobs: it touches the weights (the first pass after an mmap load pays the page
 faults) and it calibrates the controller's cost model by timing the target over n = 1..k_max + 1
-tokens and the draft over one token.
+tokens and each model proposer (draft, MTP head) over the steps it drafts.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from homespec.config import Config
 from homespec.controller import Controller, calibrate, make_policy
 from homespec.engine import Event, GenerationStats
@@ -21,6 +23,8 @@ from homespec.errors import UserError
 from homespec.modelset import ModelSet, load_model_set
 from homespec.prefix_cache import PrefixCache
 from homespec.sampling import SamplingParams
+
+_GREEDY = SamplingParams()
 
 log = logging.getLogger("homespec.session")
 
@@ -140,22 +144,9 @@ class Session:
         self.calibration["target"] = samples
         draft = self.models.draft
         if draft is not None:
-            draft.sync(ctx)
-            dbase = len(draft.tokens)
-            times = []
-            for i in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
-                t = time.perf_counter()
-                draft.eval(probe[i : i + 1], output="last")
-                times.append(time.perf_counter() - t)
-            draft.truncate(dbase)
-            per_token = statistics.median(times[1:])
-            t = time.perf_counter()
-            draft.eval(probe, output="none")  # a catch-up batch: prefill speed
-            catchup = (time.perf_counter() - t) / len(probe)
-            draft.truncate(dbase)
-            self.controller.cost.propose_s["draft"] = per_token
-            self.controller.cost.catchup_s["draft"] = catchup
-            self.calibration["draft"] = {1: per_token, len(probe): catchup * len(probe)}
+            self._calibrate_draft(draft, ctx, probe)
+        if "mtp" in self.models.engine.proposers:
+            self._calibrate_mtp(self.models.engine.proposers["mtp"], ctx, probe)
         target.reset()  # the first request should not find warm-up text in the cache
         if draft is not None:
             draft.reset()
@@ -166,8 +157,49 @@ class Session:
             samples[1] * 1000,
             max(samples),
             samples[max(samples)] * 1000,
-            f"; draft {self.calibration['draft'][1] * 1000:.0f} ms/token" if draft is not None else "",
+            "".join(f"; {p} {c[1] * 1000:.1f} ms/token" for p, c in self.calibration.items() if p != "target"),
         )
+
+    def _calibrate_draft(self, draft, ctx: list[int], probe: list[int]) -> None:
+        """The draft's cost per proposed token (one-token passes) and per caught-up token (a batch)."""
+        draft.sync(ctx)
+        dbase = len(draft.tokens)
+        times = []
+        for i in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
+            t = time.perf_counter()
+            draft.eval(probe[i : i + 1], output="last")
+            times.append(time.perf_counter() - t)
+        draft.truncate(dbase)
+        per_token = statistics.median(times[1:])
+        t = time.perf_counter()
+        draft.eval(probe, output="none")  # a catch-up batch: prefill speed
+        catchup = (time.perf_counter() - t) / len(probe)
+        draft.truncate(dbase)
+        self._set_cost("draft", per_token, catchup, len(probe))
+
+    def _calibrate_mtp(self, mtp, ctx: list[int], probe: list[int]) -> None:
+        """The head's cost per proposed token, as a step drafts (one real entry rebuilt, then
+        its own predictions fed forward), and per entry rebuilt after sitting steps out."""
+        target = self.models.target
+        base = len(target.tokens)
+        context = [*ctx, probe[0]]  # the target holds ctx = context[:-1], as between steps
+        rng = np.random.default_rng(0)
+        first = mtp.propose(context, 1, _GREEDY, rng)  # builds the window: a catch-up
+        built = max(first.info.get("catchup_tokens", 0.0), 1.0)
+        k = max(1, min(4, self.controller.k_max))
+        times = []
+        for _ in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
+            # A target pass in between, as in a real step: measured back to back the head runs
+            # ~2x faster (warm caches and thread pools) than it does between passes.
+            target.eval(probe[:1], output="last")
+            target.truncate(base)
+            times.append(mtp.propose(context, k, _GREEDY, rng).draft_s)
+        self._set_cost("mtp", statistics.median(times[1:]) / k, first.draft_s / built, int(built))
+
+    def _set_cost(self, proposer: str, per_token: float, catchup: float, n_catchup: int) -> None:
+        self.controller.cost.propose_s[proposer] = per_token
+        self.controller.cost.catchup_s[proposer] = catchup
+        self.calibration[proposer] = {1: per_token, n_catchup: catchup * n_catchup}
 
     # -- generation --------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The MTP head on the real target: hidden states kept by the runtime, and greedy exactness.
 
-The runtime tests need only the target. The proposer tests need a trained head, a user-side
-artefact (`homespec train-mtp` writes models/<target>.mtp.safetensors, ~1-2 h on 2 cores): they
-skip with that reason when it is missing. Exactness is DESIGN.md's rule, as in
+The runtime tests need only the target. The proposer tests run an untrained head built from the
+target's last layer (exactness cannot depend on what is drafted) and, where one exists, the
+trained head (`homespec train-mtp` writes models/<target>.mtp.safetensors, ~1-2 h on 2 cores, a
+user-side artefact), which must also keep its acceptance. Exactness is DESIGN.md's rule, as in
 test_exactness.py: (a) every emitted token is the argmax of the target logits that verified it;
 (b) the output equals plain decoding up to the first near-tie (margin below the batch noise).
 """
@@ -80,16 +81,37 @@ def test_hidden_window_leaves_the_logits_of_prefill_unchanged(hidden_rt, target_
     assert np.abs(a - b).max() <= max(4 * epsilon, 0.05)
 
 
-@pytest.fixture(scope="module")
-def mtp_engine_parts():
+def _untrained_head(path, window: int = 32, vocab: int = 8192):
+    """A head straight from initialisation (the target's last layer, a random fc, the first
+    `vocab` token ids): it drafts poorly, but verification must stay exact whatever it drafts."""
+    import torch
+
+    from homespec.mtp.model import HeadConfig, MTPHead, save_head
+    from homespec.mtp.weights import TargetWeights
+
+    tw = TargetWeights(TARGET)
+    ids = np.arange(vocab)
+    torch.manual_seed(0)
+    head = MTPHead(HeadConfig.from_target(tw.shape, vocab, window), torch.from_numpy(tw.output(ids)), torch.from_numpy(ids))
+    head.init_from_layer(tw.layer(tw.shape.n_layer - 1), tw.output_norm())
+    save_head(head, path, {"note": "untrained, for the exactness test"})
+    return path
+
+
+@pytest.fixture(scope="module", params=["trained", "untrained"])
+def mtp_engine_parts(request, tmp_path_factory):
     pytest.importorskip("torch", reason="the MTP head needs torch: pip install 'homespec[mtp]'")
-    if not HEAD.exists():
-        pytest.skip(f"no trained MTP head at {HEAD} (a user-side artefact: run `homespec train-mtp`)")
     from homespec.proposers.mtp import head_window, open_mtp
 
-    rt = Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, hidden_window=head_window(HEAD)))
-    prop = open_mtp(rt, HEAD, TARGET)
-    yield rt, prop
+    if request.param == "trained":
+        if not HEAD.exists():
+            pytest.skip(f"no trained MTP head at {HEAD} (a user-side artefact: run `homespec train-mtp`)")
+        head = HEAD
+    else:
+        head = _untrained_head(tmp_path_factory.mktemp("mtp") / "untrained.mtp.safetensors")
+    rt = Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, hidden_window=head_window(head)))
+    prop = open_mtp(rt, head, TARGET)
+    yield rt, prop, request.param == "trained"
     rt.close()
 
 
@@ -98,8 +120,12 @@ def _generate(engine, prompt, policy):
 
     engine.target.reset()
     st = GenerationStats()
-    out = [t for ev in engine.generate(prompt, max_tokens=MAX_TOKENS, policy=policy, stats=st) for t in ev.tokens]
-    return out, st
+    out, first = [], []  # first: outcome of draft position 1, per step
+    for ev in engine.generate(prompt, max_tokens=MAX_TOKENS, policy=policy, stats=st):
+        out += ev.tokens
+        if ev.step is not None and ev.step.outcomes:
+            first.append(ev.step.outcomes[0])
+    return out, st, first
 
 
 @pytest.mark.integration
@@ -107,19 +133,21 @@ def _generate(engine, prompt, policy):
 def test_greedy_mtp_speculation_matches_plain_decoding_except_at_near_ties(mtp_engine_parts, epsilon, k):
     from homespec.engine import Engine, FixedPolicy
 
-    rt, prop = mtp_engine_parts
+    rt, prop, trained = mtp_engine_parts
     rec = Recording(rt)
     engine = Engine(rec, {"mtp": prop})
     proposed = accepted = diverged = 0
+    firsts: list[bool] = []
     for text in PROMPTS:
         prompt = encode(rt, text)
         rec.rows.clear()
-        plain, _ = _generate(engine, prompt, FixedPolicy())
+        plain, _, _ = _generate(engine, prompt, FixedPolicy())
         plain_margins = {pos: margin(row) for pos, row in rec.rows}
         rec.rows.clear()
-        spec, st = _generate(engine, prompt, FixedPolicy("mtp", k))
+        spec, st, first = _generate(engine, prompt, FixedPolicy("mtp", k))
         proposed += st.proposed
         accepted += st.accepted
+        firsts += first
         verified = dict(rec.rows)
         for i, tok in enumerate(spec[1:], start=1):  # (a)
             assert int(np.argmax(verified[len(prompt) + i - 1])) == tok, f"token {i} is not the target's argmax"
@@ -130,5 +158,10 @@ def test_greedy_mtp_speculation_matches_plain_decoding_except_at_near_ties(mtp_e
         diverged += 1
         m = plain_margins.get(len(prompt) + j - 1)
         assert m is not None and m < epsilon, f"diverged at token {j} where plain's margin {m} >= epsilon {epsilon}"
-    print(f"\nmtp k={k}: {accepted}/{proposed} accepted; {diverged}/{len(PROMPTS)} diverged, all at near-ties")
-    assert proposed > 0 and accepted > 0
+    a1 = sum(firsts) / max(len(firsts), 1)
+    print(f"\nmtp k={k}: {accepted}/{proposed} accepted, position 1 {a1:.2f}; "
+          f"{diverged}/{len(PROMPTS)} diverged, all at near-ties")
+    assert proposed > 0
+    # A regression guard for a trained head, well below the ~0.5 measured at training time: a
+    # broken shift or cache rebuild drops this to a few percent.
+    assert a1 >= 0.25 or not trained
