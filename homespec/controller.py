@@ -24,7 +24,9 @@ Everything on the right-hand side is measured on this machine, not assumed:
 Exploration: a proposer that is never chosen is never measured, so a change of workload (prose
 to code) would go unnoticed. A proposer not tried for `explore_every` steps gets one probe step,
 but only while the time lost to probes stays under `explore_budget` of the total — a bound on
-what exploration can cost. The rule uses no randomness: the same observations give the same
+what exploration can cost. A probe that finds the proposer still not paying doubles its interval
+(up to MAX_BACKOFF doublings), so a proposer that loses on this workload costs ever less, yet is
+retried within a bounded number of steps. The rule uses no randomness: the same observations give the same
 decisions.
 
 How this differs from transformers' assisted generation (`num_assistant_tokens` +2 on full
@@ -47,6 +49,9 @@ from homespec.estimates import AcceptanceModel, CostModel, expected_emitted
 EXPLORE_BUDGET = 0.03
 # Probes move the estimate faster than regular steps: a probe is rare, so each must count.
 PROBE_EWMA = 0.35
+# Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
+# steps (256 at the default 32: ~25 s of generation on 2 cores).
+MAX_BACKOFF = 3
 # ngram acceptance is tracked per match length 2..8; 8 stands for "8 or more" (copying).
 NGRAM_TOP_BUCKET = 8
 # Offset of the acceptance buckets of sampled (temperature > 0) requests.
@@ -102,6 +107,7 @@ class Controller:
         self.lag = lag  # (proposer, context) -> tokens it must catch up on before proposing
         self.step_no = 0
         self.last_tried: dict[str, int] = {p: 0 for p in self.proposers}
+        self.failed_probes: dict[str, int] = {}  # proposer -> probes in a row that found it not paying
         self.total_s = 0.0
         self.explore_s = 0.0  # time lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
@@ -143,6 +149,8 @@ class Controller:
         self._record(best, plain, options, reason)
         if best.proposer != PLAIN:
             self.last_tried[best.proposer] = self.step_no
+            if probe is None:
+                self.failed_probes.pop(best.proposer, None)  # chosen on merit
         return Decision(best.proposer, best.k)
 
     def observe(self, step: StepStats) -> None:
@@ -160,6 +168,9 @@ class Controller:
             if probing:  # what the probe cost beyond plain decoding of the same tokens
                 self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
                 self.view.probes += 1
+                pays = self._best(step.proposer, self.k_max, key).rate >= self.cfg.min_gain * self._plain().rate
+                fails = 0 if pays else self.failed_probes.get(step.proposer, 0) + 1
+                self.failed_probes[step.proposer] = fails
         self.total_s += step.seconds
         rate = step.emitted / step.seconds if step.seconds > 0 else 0.0
         v = self.view
@@ -228,7 +239,7 @@ class Controller:
             p
             for p, (key, k_avail) in options.items()
             if p != best.proposer
-            and self.step_no - self.last_tried[p] >= self.cfg.explore_every
+            and self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self.failed_probes.get(p, 0), MAX_BACKOFF)
             and self._best(p, k_avail, key, np.ones(self.k_max)).rate >= self.cfg.min_gain * plain.rate
         ]
         if not stale:

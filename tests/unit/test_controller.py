@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from homespec.config import ControllerConfig
-from homespec.controller import EXPLORE_BUDGET, Controller
+from homespec.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
 from homespec.engine import PLAIN, StepStats
 
 K_MAX = 16
@@ -205,3 +205,15 @@ def test_cost_model_follows_a_machine_wide_slowdown_for_sizes_it_does_not_use():
     assert c.cost.verify(17) == pytest.approx(2 * v17, rel=0.05)
     c.decide([0] * 10)
     assert c.view.baseline_tps == pytest.approx(1 / (2 * cpu_cost(1)), rel=0.05)
+
+
+def test_probes_of_a_proposer_that_keeps_losing_grow_rarer_up_to_a_bounded_interval():
+    # A GPU-like flat cost makes probes cheap: the backoff, not the budget, spaces them.
+    m = Machine(gpu_cost, {"draft": 0.0}, draft_s=0.001, ngram_cont=0)
+    c = m.controller(proposers=("draft",), explore_every=8)
+    steps = m.run(c, 1500)
+    probes = [i for i, s in enumerate(steps) if s.proposer == "draft"]
+    gaps = [int(g) for g in np.diff(probes) if g > 1]  # the first steps draft on the prior, back to back
+    assert len(gaps) >= 5
+    assert gaps[0] < gaps[1] < gaps[2], f"probe gaps did not grow: {gaps}"
+    assert max(gaps) == 8 << MAX_BACKOFF, f"the interval should stop doubling: {gaps}"
