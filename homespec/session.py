@@ -189,8 +189,8 @@ class Session:
         k = max(1, min(4, self.controller.k_max))
         times = []
         for _ in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
-            # A target pass in between, as in a real step: measured back to back the head runs
-            # ~2x faster (warm caches and thread pools) than it does between passes.
+            # A target pass in between, as in a real step: back to back the head measured ~25%
+            # cheaper (4.4 against 5.7 ms a token: warm caches and thread pools).
             target.eval(probe[:1], output="last")
             target.truncate(base)
             times.append(mtp.propose(context, k, _GREEDY, rng).draft_s)

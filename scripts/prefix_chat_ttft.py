@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-import yaml
+from local_daemon import start, stop, write_config
 from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,42 +29,6 @@ QUESTIONS = [
     "Write a short shell script that checks that each of those services is running.",
     "Now make the script send an MQTT message when something is down.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(config: Path, reuse: bool, tmp: Path) -> tuple[subprocess.Popen, str]:
-    cfg = yaml.safe_load(config.read_text()) if config.exists() else {}
-    cfg.setdefault("runtime", {})["prefix_reuse"] = reuse
-    cfg.setdefault("speculation", {})["mode"] = "off"  # measure prefill, not speculation
-    for ref in ("target", "draft"):
-        m = cfg.setdefault("models", {}).get(ref) or {}
-        if isinstance(m, dict) and m.get("path"):
-            m["path"] = str((config.parent / m["path"]).resolve())
-    cfg["models"]["dir"] = str((config.parent / cfg["models"].get("dir", "models")).resolve())
-    cfg["models"]["registry"] = str((config.parent / cfg["models"].get("registry", "models/registry.yaml")).resolve())
-    path = tmp / f"config-{'on' if reuse else 'off'}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "homespec", "serve", "--config", str(path), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit("daemon did not become ready")
 
 
 def chat_turns(url: str, max_tokens: int) -> list[tuple[float, int, int]]:
@@ -103,12 +64,14 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for reuse in (True, False):
-            proc, url = serve(args.config.resolve(), reuse, Path(tmp))
+            # speculation off: this measures prefill, not speculation
+            overrides = {"runtime": {"prefix_reuse": reuse}, "speculation": {"mode": "off"}}
+            config = write_config(args.config.resolve(), overrides, Path(tmp) / f"config-{reuse}.yaml")
+            proc, url, _ = start(config)
             try:
                 results[reuse] = chat_turns(url, args.max_tokens)
             finally:
-                proc.terminate()
-                proc.wait(60)
+                stop(proc)
     print(f"{'turn':>4} {'prompt tok':>10} {'cached':>7} {'TTFT reuse on':>14} {'TTFT off':>9} {'ratio':>6}")
     for i, ((t_on, n, cached), (t_off, _, _)) in enumerate(zip(results[True], results[False]), start=1):
         print(f"{i:>4} {n:>10} {cached:>7} {t_on:>12.2f} s {t_off:>7.2f} s {t_on / t_off:>6.2f}")
