@@ -34,6 +34,7 @@ class ModelSet:
     template: ChatTemplate
     target_path: Path
     draft_path: Path | None
+    mtp_path: Path | None = None  # the MTP head's checkpoint, when one is served
     load_s: float = 0.0  # seconds to open all models
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -118,7 +119,7 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         bos_token=target.token_text(target.bos_id) if target.bos_id >= 0 else "",
         eos_token="",
     )
-    ms = ModelSet(target, None, Engine(target, proposers), template, target_path, None)
+    ms = ModelSet(target, None, Engine(target, proposers), template, target_path, None, mtp_path=mtp_path)
     if with_draft:
         ms.load_draft(cfg)
     ms.load_s = time.perf_counter() - t0

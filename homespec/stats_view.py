@@ -90,7 +90,11 @@ def _models(d: Daemon) -> ModelsView:
             n_gpu_layers=d.cfg.models.draft.n_gpu_layers if d.cfg.models.draft else 0,
             size_mib=round(m.draft_path.stat().st_size / MiB, 1), loaded=m.draft is not None,
         )
-    return ModelsView(target=target, draft=draft, proposers=sorted(m.engine.proposers))
+    mtp = None
+    if m.mtp_path is not None:
+        mtp = ModelInfo(name=m.mtp_path.name.removesuffix(".safetensors"), path=str(m.mtp_path),
+                        size_mib=round(m.mtp_path.stat().st_size / MiB, 1), loaded="mtp" in m.engine.proposers)
+    return ModelsView(target=target, draft=draft, mtp=mtp, proposers=sorted(m.engine.proposers))
 
 
 def _device(d: Daemon) -> DeviceView:

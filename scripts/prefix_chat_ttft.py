@@ -23,7 +23,7 @@ SYSTEM = (
     "You are the assistant of a home server. You know its services: Home Assistant on port 8123, "
     "a Jellyfin media server, Nextcloud for files, Pi-hole for DNS, a Mosquitto MQTT broker, "
     "Zigbee2MQTT for the sensors, Frigate for the cameras, and nightly restic backups to a NAS. "
-) * 6
+) * 8
 QUESTIONS = [
     "Which of these services would you restart first if the lights stop responding, and why?",
     "Write a short shell script that checks that each of those services is running.",

@@ -98,8 +98,35 @@ def _untrained_head(path, window: int = 32, vocab: int = 8192):
     return path
 
 
+@pytest.fixture(scope="module")
+def untrained_head(tmp_path_factory):
+    pytest.importorskip("torch", reason="the MTP head needs torch: pip install 'homespec[mtp]'")
+    return _untrained_head(tmp_path_factory.mktemp("mtp") / "untrained.mtp.safetensors")
+
+
+@pytest.mark.integration
+def test_a_configured_head_is_served_with_the_hidden_window_and_its_cost_calibrated(untrained_head):
+    from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
+    from homespec.proposers.mtp import head_window
+    from homespec.session import GenerationRequest, Session
+
+    cfg = Config(
+        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None, mtp=untrained_head),
+        runtime=RuntimeConfig(n_ctx=512, n_batch=128),
+    )
+    with Session.open(cfg) as s:
+        assert "mtp" in s.models.engine.proposers and s.models.mtp_path == untrained_head
+        assert s.models.target.opts.hidden_window == head_window(untrained_head)
+        per_token = s.controller.cost.propose_s["mtp"]  # seconds per proposed token
+        assert 0 < per_token < s.calibration["target"][1]  # a head costs a fraction of a pass
+        prompt = encode(s.models.target, PROMPTS[0])
+        gen = s.generate(prompt, GenerationRequest(max_tokens=12, mode="mtp", k=2))
+        steps = [ev.step for ev in gen if ev.step is not None]
+        assert gen.stats.completion_tokens == 12 and any(st.proposer == "mtp" and st.proposed for st in steps)
+
+
 @pytest.fixture(scope="module", params=["trained", "untrained"])
-def mtp_engine_parts(request, tmp_path_factory):
+def mtp_engine_parts(request):
     pytest.importorskip("torch", reason="the MTP head needs torch: pip install 'homespec[mtp]'")
     from homespec.proposers.mtp import head_window, open_mtp
 
@@ -108,7 +135,7 @@ def mtp_engine_parts(request, tmp_path_factory):
             pytest.skip(f"no trained MTP head at {HEAD} (a user-side artefact: run `homespec train-mtp`)")
         head = HEAD
     else:
-        head = _untrained_head(tmp_path_factory.mktemp("mtp") / "untrained.mtp.safetensors")
+        head = request.getfixturevalue("untrained_head")
     rt = Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, hidden_window=head_window(head)))
     prop = open_mtp(rt, head, TARGET)
     yield rt, prop, request.param == "trained"

@@ -98,6 +98,13 @@ def test_cpu_only_estimate_is_llama_cpp_buffers_plus_logits_rows_and_overhead():
     assert fp.vram == 0 and fp.ram == fp.weights_ram + fp.kv + fp.compute
 
 
+def test_what_rides_with_the_target_counts_in_its_ram_only():
+    alone = pair_footprints(QWEN_1_5B, QWEN_0_5B, n_batch=512)(4096)
+    with_head = pair_footprints(QWEN_1_5B, QWEN_0_5B, n_batch=512, target_extra_ram=700 * MiB)(4096)
+    assert with_head[0].ram == alone[0].ram + 700 * MiB
+    assert with_head[0].vram == alone[0].vram and with_head[1] == alone[1]
+
+
 def test_kv_cache_rounds_context_up_to_256_cells():
     # llama.cpp printed "CPU KV buffer size = 12.00 MiB" for the 0.5B model at n_ctx 1000.
     assert mib(estimate(QWEN_0_5B, 1000, 512, 0).kv) == 12.00

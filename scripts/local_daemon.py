@@ -1,0 +1,72 @@
+"""Start `homespec serve` as a subprocess on a free loopback port, for the measurement scripts.
+
+The config is copied with some settings overridden and every relative model path made absolute
+(the copy lives in a temporary folder).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(config: Path, overrides: dict[str, dict[str, Any]], out: Path) -> Path:
+    """config.yaml with `overrides` ({section: {key: value}}) applied, its paths absolute."""
+    cfg = yaml.safe_load(config.read_text()) if config.exists() else {}
+    cfg = cfg or {}
+    for section, values in overrides.items():
+        cfg.setdefault(section, {}).update(values)
+    models = cfg.setdefault("models", {})
+    for ref in ("target", "draft"):
+        m = models.get(ref)
+        if isinstance(m, dict) and m.get("path"):
+            m["path"] = str((config.parent / m["path"]).resolve())
+    if models.get("mtp"):
+        models["mtp"] = str((config.parent / models["mtp"]).resolve())
+    models["dir"] = str((config.parent / models.get("dir", "models")).resolve())
+    models["registry"] = str((config.parent / models.get("registry", "models/registry.yaml")).resolve())
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def start(config: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str, float]:
+    """(process, base URL, seconds from process start to /ready: load + warm-up)."""
+    port = free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "homespec", "serve", "--config", str(config), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise SystemExit(f"the daemon exited with status {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return proc, url, time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("the daemon did not become ready")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
