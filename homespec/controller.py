@@ -23,11 +23,11 @@ Everything on the right-hand side is measured on this machine, not assumed:
 
 Exploration: a proposer that is never chosen is never measured, so a change of workload (prose
 to code) would go unnoticed. A proposer not tried for `explore_every` steps gets one probe step,
-but only while the time lost to probes stays under `explore_budget` of the total — a bound on
-what exploration can cost. A probe that finds the proposer still not paying doubles its interval
-(up to MAX_BACKOFF doublings), so a proposer that loses on this workload costs ever less, yet is
-retried within a bounded number of steps. The rule uses no randomness: the same observations give the same
-decisions.
+but only while the time lost to probes stays under EXPLORE_BUDGET of the recent total — a bound
+on what exploration can cost. A probe that finds the proposer still not paying doubles its
+interval (up to MAX_BACKOFF doublings), so a proposer that loses on this workload costs ever
+less, yet is retried within a bounded number of steps. The rule uses no randomness: the same
+observations give the same decisions.
 
 How this differs from transformers' assisted generation (`num_assistant_tokens` +2 on full
 acceptance, -1 otherwise): that heuristic targets acceptance and ignores cost, so on a CPU it
@@ -45,8 +45,11 @@ from homespec.config import ControllerConfig
 from homespec.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, StepStats
 from homespec.estimates import AcceptanceModel, CostModel, expected_emitted
 
-# Share of generation time that probing unprofitable proposers may cost at most.
+# Share of recent generation time that probing unprofitable proposers may cost at most, over
+# an exponential window of BUDGET_WINDOW steps (~50 s of generation on 2 cores).
 EXPLORE_BUDGET = 0.03
+BUDGET_WINDOW = 512
+_BUDGET_DECAY = 1.0 - 1.0 / BUDGET_WINDOW
 # Probes move the estimate faster than regular steps: a probe is rare, so each must count.
 PROBE_EWMA = 0.35
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
@@ -108,8 +111,10 @@ class Controller:
         self.step_no = 0
         self.last_tried: dict[str, int] = {p: 0 for p in self.proposers}
         self.failed_probes: dict[str, int] = {}  # proposer -> probes in a row that found it not paying
-        self.total_s = 0.0
-        self.explore_s = 0.0  # time lost to probes (beyond what plain decoding would have taken)
+        # Both over an exponential window of the last ~BUDGET_WINDOW steps: a daemon's long history
+        # (or a bench's fixed arms) must not bank a budget that probes then spend in a burst.
+        self.total_s = 0.0  # seconds of generation
+        self.explore_s = 0.0  # seconds lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
         self._probing: tuple[str, int] | None = None  # (proposer, k) of a decided probe step
         self.sampled = False  # the current request samples (temperature > 0); set per request
@@ -161,6 +166,8 @@ class Controller:
             self.cost.observe_catchup(step.proposer, int(step.info.get("catchup_tokens", 0)), catchup)
         probing = self._probing == (step.proposer, step.k)
         self._probing = None
+        self.explore_s *= _BUDGET_DECAY
+        self.total_s = self.total_s * _BUDGET_DECAY + step.seconds
         if step.proposer != PLAIN and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, int(step.info.get("match_len", 0)))
@@ -171,7 +178,6 @@ class Controller:
                 pays = self._best(step.proposer, self.k_max, key).rate >= self.cfg.min_gain * self._plain().rate
                 fails = 0 if pays else self.failed_probes.get(step.proposer, 0) + 1
                 self.failed_probes[step.proposer] = fails
-        self.total_s += step.seconds
         rate = step.emitted / step.seconds if step.seconds > 0 else 0.0
         v = self.view
         v.effective_tps = rate if v.effective_tps is None else v.effective_tps + 0.05 * (rate - v.effective_tps)

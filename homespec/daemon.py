@@ -241,6 +241,9 @@ class Daemon:
             target_gpu_layers=cfg.models.target.n_gpu_layers,
             draft_gpu_layers=cfg.models.draft.n_gpu_layers if cfg.models.draft else 0,
             target_extra_ram=head_ram(cfg.resolve(cfg.models.mtp)) if cfg.models.mtp else 0,
+            # The compute buffer depends on it; llama.cpp's auto (GPU) enables it where the
+            # backend supports it, so only an explicit off plans for the buffer without it.
+            flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers) is not False,
         )
         plan = plan_load(at, read_headroom(), cfg.memory, n_ctx=cfg.runtime.n_ctx).require()
         self.footprints = at(plan.n_ctx)

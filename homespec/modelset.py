@@ -91,6 +91,7 @@ def runtime_options(
         use_mlock=r.use_mlock,
         embeddings=embeddings,
         hidden_window=hidden_window,
+        flash_attn=r.flash_attn_for(n_gpu_layers),
     )
 
 

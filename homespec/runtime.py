@@ -69,6 +69,13 @@ def physical_cores() -> int:
     return max(1, n or os.cpu_count() or 1)
 
 
+_FLASH_ATTN = {
+    None: llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    True: llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+    False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+}
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     n_ctx: int = 4096  # tokens
@@ -78,6 +85,7 @@ class RuntimeOptions:
     use_mmap: bool = True
     use_mlock: bool = False
     embeddings: bool = False  # also return final hidden states (the MTP head reads them)
+    flash_attn: bool | None = None  # None: llama.cpp decides (it enables it on a CPU as well)
     # Keep the final hidden states of the last `hidden_window` cached positions (the MTP head's
     # attention span); 0 = off. llama.cpp computes the output layer for every position of a
     # batch while embeddings are on, so only the last hidden_window positions of a prefill are
@@ -118,6 +126,7 @@ class Runtime:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.embeddings = opts.embeddings
+        cp.flash_attn_type = _FLASH_ATTN[opts.flash_attn]
         if opts.embeddings or opts.hidden_window:
             cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token hidden states
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)
@@ -433,6 +442,7 @@ class ReferenceDecoder:
             n_gpu_layers=opts.n_gpu_layers,
             use_mmap=opts.use_mmap,
             use_mlock=opts.use_mlock,
+            flash_attn=bool(opts.flash_attn),  # Llama() has no "auto": compare like with like
             verbose=False,
         )
         llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))  # Llama() installs its own

@@ -1,0 +1,30 @@
+"""config.yaml: the defaults that depend on the machine, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from homespec.config import ConfigError, RuntimeConfig, load_config
+
+
+def test_flash_attention_auto_is_off_on_a_cpu_and_left_to_llama_cpp_with_a_gpu():
+    auto = RuntimeConfig()
+    assert auto.flash_attn_for(n_gpu_layers=0) is False
+    assert auto.flash_attn_for(n_gpu_layers=-1) is None
+    assert RuntimeConfig(flash_attn="on").flash_attn_for(0) is True
+    assert RuntimeConfig(flash_attn="off").flash_attn_for(-1) is False
+
+
+def test_a_bad_flash_attention_value_is_one_line_naming_the_field(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("runtime:\n  flash_attn: sometimes\n")
+    with pytest.raises(ConfigError, match=r"runtime\.flash_attn") as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
+
+
+def test_the_shipped_config_yaml_is_valid_and_matches_the_defaults():
+    from pathlib import Path
+
+    shipped = load_config(Path(__file__).resolve().parents[2] / "config.yaml")
+    assert shipped.runtime == RuntimeConfig()
