@@ -103,7 +103,8 @@ class DashboardApp(App[None]):
 
     def watch_link(self, link: Link) -> None:
         # Keep the last figures on screen while disconnected, dimmed, so they read as old.
-        self.query_one("#body").set_class(link.state != "connected", "stale")
+        # query, not query_one: a poll that ends while the app shuts down finds no body left.
+        self.query("#body").set_class(link.state != "connected", "stale")
 
     # -- polling ---------------------------------------------------------------------------------
 

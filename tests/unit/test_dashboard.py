@@ -30,7 +30,7 @@ from rich.console import Console
 from homespec.cli import dashboard as cli
 from homespec.dashboard.app import DashboardApp, next_mode
 from homespec.dashboard.client import DaemonClient, ProtocolError, Unauthorized, Unreachable
-from homespec.dashboard.widgets import Banner, HeaderBar, HelpScreen, RequestTable, SpeedupDigits, speedup_class
+from homespec.dashboard.widgets import Banner, HeaderBar, HelpScreen, Link, RequestTable, SpeedupDigits, speedup_class
 from homespec.errors import UserError
 from homespec.stats_schema import RequestRecord, SpeedPoint, StatsView
 
@@ -374,6 +374,17 @@ async def test_disconnected_state_appears_when_the_daemon_stops_and_clears_when_
         await until(pilot, lambda: app.link.state == "connected", "reconnection")
         assert banner(app) == ""
         assert not app.query_one("#body").has_class("stale")
+
+
+@pytest.mark.asyncio
+async def test_a_poll_that_ends_after_the_panels_are_gone_does_not_crash_the_app():
+    # As when the app shuts down while a poll is in flight (seen once in CI-like runs).
+    app = dashboard(f"http://127.0.0.1:{free_port()}")
+    async with app.run_test(size=SIZE) as pilot:
+        await app.query_one("#body").remove()
+        app.link = Link("disconnected", "cannot reach the daemon", app.link.failures + 1)
+        await pilot.pause()
+        assert app.is_running
 
 
 @pytest.mark.asyncio
