@@ -253,10 +253,6 @@ class Runtime:
         a = start - self._hid_start
         return self._hid[a : a + stop - start].copy()
 
-    def hidden_at(self, pos: int) -> np.ndarray:
-        """The final hidden state of one cached position [n_embd]."""
-        return self.hidden_rows(pos, pos + 1)[0]
-
     def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
         b = self._batch
         pos0 = len(self.tokens)
