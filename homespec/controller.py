@@ -18,8 +18,9 @@ Everything on the right-hand side is measured on this machine, not assumed:
 - t_propose: seconds per proposed token for the draft model / MTP head (EWMA of live steps,
   catch-up batches excluded); ngram costs microseconds.
 - a_i: per proposer, an EWMA of the outcome at each position, updated after every step; for
-  ngram additionally keyed by the match length, since a 5-token match predicts far better than
-  a 2-token one.
+  ngram additionally keyed by the match's length (a 5-token match predicts far better than a
+  2-token one) and by whether it copies the prompt or repeats the answer (an edit copying its
+  input keeps ~13 of 16 tokens; prose repeating a phrase of its own, ~4).
 
 Exploration: a proposer that is never chosen is never measured, so a change of workload (prose
 to code) would go unnoticed. A proposer not tried for `explore_every` steps gets one probe step,
@@ -37,13 +38,14 @@ happily speculates at a loss; here the objective is tokens per second and k = 0 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from homespec.config import ControllerConfig
 from homespec.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, StepStats
 from homespec.estimates import AcceptanceModel, CostModel, expected_emitted
+from homespec.proposers.ngram import MATCH_CAP, Match
 
 # Share of recent generation time that probing unprofitable proposers may cost at most, over
 # an exponential window of BUDGET_WINDOW steps (~50 s of generation on 2 cores).
@@ -59,10 +61,23 @@ PROBE_ACCEPTANCE = 0.9
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
-# ngram acceptance is tracked per match length 2..8; 8 stands for "8 or more" (copying).
-NGRAM_TOP_BUCKET = 8
-# Offset of the acceptance buckets of sampled (temperature > 0) requests.
-SAMPLED = 100
+
+
+class AcceptanceKey(NamedTuple):
+    """What acceptance is tracked by: outcomes under the same key are alike."""
+
+    proposer: str
+    match: int = 0  # ngram: match-length bucket (match_bucket); 0 for model proposers
+    from_prompt: bool = False  # ngram: the match copies the prompt rather than the answer
+    sampled: bool = False  # a temperature > 0 request
+
+
+def match_bucket(length: int) -> int:
+    """ngram match lengths 2..7 apart, then 8-15, 16-31 and 32+ (MATCH_CAP) by their lower end:
+    past a few tokens, doubling the length is what changes the odds."""
+    if length < 8:
+        return length
+    return 8 if length < 16 else 16 if length < MATCH_CAP else MATCH_CAP
 
 
 @dataclass(frozen=True)
@@ -101,7 +116,7 @@ class Controller:
         cfg: ControllerConfig = ControllerConfig(),
         k_max: int = 16,
         ngram_min: int = 2,
-        ngram_peek: Callable[[Sequence[int], int], tuple[list[int], int]] | None = None,
+        ngram_peek: Callable[[Sequence[int], int], Match] | None = None,
         lag: Callable[[str, Sequence[int]], int] | None = None,
     ) -> None:
         self.proposers = [p for p in proposers if p != PLAIN]
@@ -110,7 +125,7 @@ class Controller:
         self.cost = CostModel(k_max + 1, cfg.cost_ewma)
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior)
         self.ngram_min = ngram_min
-        self.ngram_peek = ngram_peek  # (context, k) -> (continuation, match length)
+        self.ngram_peek = ngram_peek  # (context, k) -> the match ngram would propose from
         self.lag = lag  # (proposer, context) -> tokens it must catch up on before proposing
         self.step_no = 0
         self.last_tried: dict[str, int] = {p: 0 for p in self.proposers}
@@ -129,13 +144,14 @@ class Controller:
         return set(self.proposers)
 
     def proposers_to_prefill(self) -> set[str]:
-        """Prefill only model proposers that currently pay (a draft prefill costs TTFT for
-        nothing otherwise); the others catch up if a probe picks them."""
+        """ngram (indexing the prompt costs ~nothing, and tells it where the prompt ends), and
+        model proposers only while they pay (a draft's prefill costs TTFT for nothing otherwise);
+        the others catch up if a probe picks them."""
         plain = self._plain()
         return {
             p
             for p in self.proposers
-            if p != "ngram" and self._best(p, self.k_max, self._key(p, 0)).rate >= self.cfg.min_gain * plain.rate
+            if p == "ngram" or self._best(p, self.k_max, self._key(p)).rate >= self.cfg.min_gain * plain.rate
         }
 
     def decide(self, context: Sequence[int]) -> Decision:
@@ -174,7 +190,7 @@ class Controller:
         self.total_s = self.total_s * _BUDGET_DECAY + step.seconds
         if step.proposer != PLAIN and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
-            key = self._key(step.proposer, int(step.info.get("match_len", 0)))
+            key = self._key(step.proposer, int(step.info.get("match_len", 0)), bool(step.info.get("from_prompt", 0)))
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
                 self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
@@ -194,36 +210,37 @@ class Controller:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _key(self, proposer: str, match_len: int) -> tuple[str, int]:
-        """Acceptance is tracked per proposer, and for ngram per match length: a match of 8+
-        tokens means the output is copying (an edit), a 2-token match is often a coincidence.
-        Sampled requests are tracked apart (bucket + SAMPLED): a token drawn at temperature 0.8
-        is accepted less often than an argmax, and mixing the two would mislead both."""
-        bucket = 0 if proposer != "ngram" else min(max(match_len, self.ngram_min), NGRAM_TOP_BUCKET)
-        return (proposer, bucket + (SAMPLED if self.sampled else 0))
+    def _key(self, proposer: str, match_len: int = 0, from_prompt: bool = False) -> AcceptanceKey:
+        """Acceptance is tracked per proposer, and for ngram per match: a 32-token match into the
+        prompt means the output is copying (an edit), a 2-token match is often a coincidence, and
+        a long repeat of the answer's own words (a list, a refrain) breaks off sooner than a copy.
+        Sampled requests are tracked apart: a token drawn at temperature 0.8 is accepted less
+        often than an argmax, and mixing the two would mislead both."""
+        if proposer != "ngram":
+            return AcceptanceKey(proposer, sampled=self.sampled)
+        return AcceptanceKey(proposer, match_bucket(max(match_len, self.ngram_min)), from_prompt, self.sampled)
 
-    def _prior(self, key: tuple[str, int]) -> float:
+    def _prior(self, key: AcceptanceKey) -> float:
         """Acceptance assumed before any observation. For ngram it rises with the match length
         (prior p at length 2, then 1 - (1 - p) * 2 / m): long matches get tried at once, which
         is what finds an editing workload quickly; data replaces the prior within a few steps."""
         p = self.cfg.prior_acceptance
-        m = key[1] % SAMPLED
-        if key[0] == "ngram" and m > 2:
-            return 1.0 - (1.0 - p) * 2.0 / m
+        if key.proposer == "ngram" and key.match > 2:
+            return 1.0 - (1.0 - p) * 2.0 / key.match
         return p
 
-    def _options(self, context: Sequence[int]) -> dict[str, tuple[tuple[str, int], int]]:
+    def _options(self, context: Sequence[int]) -> dict[str, tuple[AcceptanceKey, int]]:
         """Proposers usable now: acceptance key and the largest k each can offer."""
-        out: dict[str, tuple[tuple[str, int], int]] = {}
+        out: dict[str, tuple[AcceptanceKey, int]] = {}
         for p in self.proposers:
             if p == "ngram":
                 if self.ngram_peek is None:
                     continue
-                cont, match_len = self.ngram_peek(context, self.k_max)
-                if cont:  # no match: nothing to propose
-                    out[p] = (self._key(p, match_len), len(cont))
+                m = self.ngram_peek(context, self.k_max)
+                if m.tokens:  # no match: nothing to propose
+                    out[p] = (self._key(p, m.length, m.from_prompt), len(m.tokens))
             else:
-                out[p] = (self._key(p, 0), self.k_max)
+                out[p] = (self._key(p), self.k_max)
         return out
 
     def _plain(self) -> Candidate:
@@ -232,12 +249,12 @@ class Controller:
     def _candidate(self, p: str, k: int, emitted: np.ndarray) -> Candidate:
         return Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
 
-    def _best(self, p: str, k_avail: int, key: tuple[str, int], rates: np.ndarray | None = None) -> Candidate:
+    def _best(self, p: str, k_avail: int, key: AcceptanceKey, rates: np.ndarray | None = None) -> Candidate:
         emitted = expected_emitted(self.acc.rates(key) if rates is None else rates)  # [k_max + 1]
         return max((self._candidate(p, k, emitted) for k in range(1, k_avail + 1)), key=lambda c: c.rate)
 
     def _probe(
-        self, best: Candidate, options: Mapping[str, tuple[tuple[str, int], int]], context: Sequence[int]
+        self, best: Candidate, options: Mapping[str, tuple[AcceptanceKey, int]], context: Sequence[int]
     ) -> Candidate | None:
         """One step with a proposer untried for explore_every steps, if (1) it could pay at all —
         at PROBE_ACCEPTANCE at every position it would beat plain (on a 2-core CPU a 0.5B draft
@@ -273,7 +290,7 @@ class Controller:
         )
 
     def _record(
-        self, best: Candidate, plain: Candidate, options: Mapping[str, tuple[tuple[str, int], int]], reason: str
+        self, best: Candidate, plain: Candidate, options: Mapping[str, tuple[AcceptanceKey, int]], reason: str
     ) -> None:
         """The view: the choice, why, and each proposer's expected gain for every k (for ngram,
         under the current match, or the longest-match bucket when there is none)."""
@@ -282,7 +299,7 @@ class Controller:
         v.baseline_tps = plain.rate
         gains: dict[str, list[float]] = {}
         for p in self.proposers:
-            key = options[p][0] if p in options else self._key(p, NGRAM_TOP_BUCKET)
+            key = options[p][0] if p in options else self._key(p, MATCH_CAP, from_prompt=True)
             emitted = self.acc.expected_emitted(key)
             gains[p] = [round(self._candidate(p, k, emitted).rate / plain.rate, 3) for k in range(1, self.k_max + 1)]
         v.gains = gains

@@ -5,7 +5,7 @@ machine (CostModel) and how often proposed tokens are accepted at each draft pos
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,8 +85,11 @@ def _ewma(d: dict[str, float], key: str, x: float, alpha: float) -> None:
     d[key] = x if old is None else old + alpha * (x - old)
 
 
+Key = Hashable  # what outcomes are grouped by: the controller's AcceptanceKey
+
+
 class AcceptanceModel:
-    """a_i per (proposer, bucket): P(position i accepted | all before it accepted).
+    """a_i per key (proposer, match bucket, ...): P(position i accepted | all before it accepted).
 
     Each position keeps the mean of its outcomes (a plain mean for the first 1/alpha
     observations, an EWMA afterwards, so it forgets an old workload). Decisions use a shrunk
@@ -98,29 +101,29 @@ class AcceptanceModel:
 
     SHRINK = 2.0  # pseudo-observations pulling a position towards the one before it
 
-    def __init__(self, k_max: int, alpha: float, prior: float | Callable[[tuple[str, int]], float]) -> None:
+    def __init__(self, k_max: int, alpha: float, prior: float | Callable[[Key], float]) -> None:
         self.k_max, self.alpha = k_max, alpha
         self.prior = prior if callable(prior) else (lambda key: prior)
-        self._mean: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observed acceptance
-        self._n: dict[tuple[str, int], np.ndarray] = {}  # key -> [k_max] observations
+        self._mean: dict[Key, np.ndarray] = {}  # key -> [k_max] observed acceptance
+        self._n: dict[Key, np.ndarray] = {}  # key -> [k_max] observations
 
-    def _arrays(self, key: tuple[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    def _arrays(self, key: Key) -> tuple[np.ndarray, np.ndarray]:
         if key not in self._mean:
             self._mean[key] = np.zeros(self.k_max)
             self._n[key] = np.zeros(self.k_max, dtype=np.int64)
         return self._mean[key], self._n[key]
 
-    def observations(self, key: tuple[str, int]) -> int:
+    def observations(self, key: Key) -> int:
         return int(self._n[key][0]) if key in self._n else 0
 
-    def observe(self, key: tuple[str, int], outcomes: Sequence[bool], alpha: float | None = None) -> None:
+    def observe(self, key: Key, outcomes: Sequence[bool], alpha: float | None = None) -> None:
         mean, n = self._arrays(key)
         for i, ok in enumerate(outcomes[: self.k_max]):
             w = max(alpha or self.alpha, 1.0 / (n[i] + 1))
             mean[i] += w * (float(ok) - mean[i])
             n[i] += 1
 
-    def rates(self, key: tuple[str, int]) -> np.ndarray:
+    def rates(self, key: Key) -> np.ndarray:
         """[k_max] the shrunk conditional acceptance used for decisions."""
         mean, n = self._arrays(key)
         weight = np.minimum(n, 1.0 / self.alpha)  # an EWMA remembers ~1/alpha observations
@@ -130,7 +133,7 @@ class AcceptanceModel:
             prev = out[i] = (weight[i] * mean[i] + self.SHRINK * prev) / (weight[i] + self.SHRINK)
         return out
 
-    def expected_emitted(self, key: tuple[str, int]) -> np.ndarray:
+    def expected_emitted(self, key: Key) -> np.ndarray:
         """[k_max + 1]: E[tokens emitted by a step] for k = 0..k_max."""
         return expected_emitted(self.rates(key))
 

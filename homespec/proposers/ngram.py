@@ -8,17 +8,38 @@ prompt (editing code, quoting, summarising with names) and costs ~nothing when i
 The index maps each n-gram to the latest position where it started *and had a follower*, and is
 extended incrementally as the context grows; a context that is not an extension of the indexed
 one (a new request) rebuilds it. Memory: n_max dict entries per context token.
+
+A match also says how much it can be trusted, for the controller: its full length (the suffix is
+compared further back than n_max, up to MATCH_CAP tokens) and whether it copies from the prompt
+or repeats the answer. Measured on greedy outputs of the bench's workloads (the 1.5B target, a
+16-token continuation): edits copying the prompt kept 10-14 tokens whatever the match length,
+while prose repeating itself kept 2-8 even on matches of 16-31 tokens.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
 
 from homespec.proposers.base import Proposal
 from homespec.sampling import SamplingParams
+
+# Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
+MATCH_CAP = 32
+
+
+@dataclass(frozen=True)
+class Match:
+    tokens: list[int]  # the continuation [<= k]; empty when no suffix occurred before
+    length: int = 0  # tokens of the context's suffix that equal those before the continuation (<= MATCH_CAP)
+    at: int = 0  # context position the continuation was copied from
+    from_prompt: bool = False  # it copies the prompt (an edit), rather than repeating the answer
+
+
+NO_MATCH = Match([])
 
 
 class NgramIndex:
@@ -30,16 +51,18 @@ class NgramIndex:
         # tables[n]: n-gram -> start index of its latest occurrence that has a following token
         self._tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
 
-    def sync(self, context: Sequence[int]) -> None:
-        """Make the index cover `context` (extend if it grew, rebuild if it changed)."""
+    def sync(self, context: Sequence[int]) -> bool:
+        """Make the index cover `context` (extend if it grew, rebuild if it changed); True if rebuilt."""
         m = len(self.tokens)
-        if len(context) < m or list(context[:m]) != self.tokens:
+        rebuilt = len(context) < m or list(context[:m]) != self.tokens
+        if rebuilt:
             self.tokens = []
             for t in self._tables.values():
                 t.clear()
             m = 0
         for tok in context[m:]:
             self._append(int(tok))
+        return rebuilt
 
     def _append(self, tok: int) -> None:
         toks = self.tokens
@@ -49,14 +72,19 @@ class NgramIndex:
             if end - n >= 0:
                 table[tuple(toks[end - n : end])] = end - n
 
-    def lookup(self, k: int) -> tuple[list[int], int]:
-        """(continuation [<= k], match length n); ([], 0) when no suffix occurred before."""
+    def lookup(self, k: int) -> Match:
+        """The continuation [<= k] of the longest suffix (n_min..n_max tokens) seen before."""
         toks = self.tokens
-        for n in range(min(self.n_max, len(toks) - 1), self.n_min - 1, -1):
-            start = self._tables[n].get(tuple(toks[len(toks) - n :]))
+        end = len(toks)
+        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
+            start = self._tables[n].get(tuple(toks[end - n :]))
             if start is not None:
-                return toks[start + n : start + n + k], n
-        return [], 0
+                at = start + n
+                length = n  # then compare further back, as far as MATCH_CAP
+                while length < MATCH_CAP and at - length > 0 and toks[at - length - 1] == toks[end - length - 1]:
+                    length += 1
+                return Match(toks[at : at + k], length, at)
+        return NO_MATCH
 
 
 class NgramProposer:
@@ -66,21 +94,27 @@ class NgramProposer:
 
     def __init__(self, n_min: int = 2, n_max: int = 5) -> None:
         self.index = NgramIndex(n_min, n_max)
+        self.prompt_len = 0  # tokens of the current request's prompt: a match before it copies the prompt
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.index.sync(prompt)
+        self.prompt_len = len(prompt)
 
-    def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
-        """The proposal and its match length, without timing: the controller peeks with this."""
-        self.index.sync(context)
-        return self.index.lookup(k)
+    def match(self, context: Sequence[int], k: int) -> Match:
+        """The proposal and how it matched, without timing: the controller peeks with this."""
+        if self.index.sync(context):  # a new request that did not call begin(): its context is the prompt
+            self.prompt_len = len(context)
+        m = self.index.lookup(k)
+        return replace(m, from_prompt=m.at < self.prompt_len) if m.tokens else m
 
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:
         t0 = time.perf_counter()
-        tokens, n = self.match(context, k)
-        return Proposal(tokens, None, time.perf_counter() - t0, {"match_len": float(n)})
+        m = self.match(context, k)
+        info = {"match_len": float(m.length), "from_prompt": float(m.from_prompt)}
+        return Proposal(m.tokens, None, time.perf_counter() - t0, info)
 
     def close(self) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
+        self.prompt_len = 0

@@ -8,6 +8,7 @@ import pytest
 from homespec.config import ControllerConfig
 from homespec.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
 from homespec.engine import PLAIN, StepStats
+from homespec.proposers.ngram import Match
 
 K_MAX = 16
 
@@ -32,7 +33,7 @@ class Machine:
         self.ctx = [0] * 10
 
     def peek(self, context, k):
-        return ([1] * min(k, self.ngram_cont), 5) if self.ngram_cont else ([], 0)
+        return Match([1] * min(k, self.ngram_cont), 5) if self.ngram_cont else Match([])
 
     def controller(self, proposers=("draft", "ngram"), **cfg) -> Controller:
         c = Controller(list(proposers), ControllerConfig(**cfg), k_max=K_MAX, ngram_peek=self.peek)
@@ -166,8 +167,30 @@ def test_a_proposer_that_cannot_pay_even_when_always_right_is_never_probed():
 def test_a_long_ngram_match_is_tried_on_first_sight():
     m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=16)  # peek reports match length 5
     c = m.controller(proposers=("ngram",))
-    c.ngram_peek = lambda ctx, k: ([1] * 16, 12)  # a 12-token match: the output is copying
+    c.ngram_peek = lambda ctx, k: Match([1] * 16, 12, from_prompt=True)  # the output is copying the prompt
     assert c.decide([0] * 20).proposer == "ngram"
+
+
+def test_a_long_copy_of_the_prompt_and_a_long_repeat_of_the_answer_are_learned_apart():
+    # Edits copy the prompt and keep every token; prose repeating its own phrases breaks off at
+    # once. Both are 32-token matches: only where they point tells them apart.
+    m = Machine(cpu_cost, {})
+    c = m.controller(proposers=("ngram",))
+    copy, repeat = Match([1] * 16, 32, from_prompt=True), Match([1] * 16, 32, from_prompt=False)
+    for i in range(60):
+        match = copy if i % 2 else repeat
+        c.ngram_peek = lambda ctx, k, match=match: match
+        d = c.decide(m.ctx)
+        n = d.k if match is copy else 0
+        outcomes = (True,) * n if n == d.k else (False,)
+        info = {"match_len": 32.0, "from_prompt": float(match.from_prompt)}
+        c.observe(StepStats(d.proposer, d.k, d.k, n, 0.0, cpu_cost(d.k + 1), outcomes[: d.k], info))
+    c.ngram_peek = lambda ctx, k: copy
+    on_copy = c.decide(m.ctx)
+    c.ngram_peek = lambda ctx, k: repeat
+    on_repeat = c.decide(m.ctx)
+    assert on_copy.proposer == "ngram" and on_copy.k >= 8
+    assert on_repeat.proposer == PLAIN
 
 
 def test_sampled_and_greedy_requests_learn_acceptance_separately():
@@ -223,7 +246,7 @@ def test_a_proposer_that_pays_only_when_every_token_is_accepted_is_never_probed(
     # 0.04 s a token: at 100 % acceptance k=8..16 would beat plain by ~14 %, at 90 % nothing does.
     m = Machine(cpu_cost, {"draft": 1.0}, draft_s=0.04, ngram_cont=0)
     c = m.controller(proposers=("draft",), explore_every=4)
-    c.acc.observe(("draft", 0), [False, False, False, False])  # a first look that went badly
+    c.acc.observe(c._key("draft"), [False, False, False, False])  # a first look that went badly
     steps = m.run(c, 400)
     assert all(s.proposer == PLAIN for s in steps)
     assert c.view.probes == 0

@@ -381,7 +381,7 @@ def test_the_controller_chooses_mtp_when_its_measured_cost_and_acceptance_pay():
     c.cost.propose_s["mtp"] = 0.004  # ~0.07 of a target pass per proposed token
     assert c.decide([1, 2, 3]).proposer == "none"  # prior acceptance 0.5 does not pay here
     for _ in range(40):
-        c.acc.observe(("mtp", 0), [True, True, True, False])
+        c.acc.observe(c._key("mtp"), [True, True, True, False])
     d = c.decide([1, 2, 3])
     assert d.proposer == "mtp" and d.k >= 2
 

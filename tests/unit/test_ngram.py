@@ -4,48 +4,52 @@ from __future__ import annotations
 
 import numpy as np
 
-from homespec.proposers.ngram import NgramIndex, NgramProposer
+from homespec.proposers.ngram import MATCH_CAP, NgramIndex, NgramProposer
 from homespec.sampling import SamplingParams
+
+
+def _got(m):
+    return m.tokens, m.length
 
 
 def test_proposes_what_followed_the_earlier_occurrence_of_the_suffix():
     idx = NgramIndex(2, 4)
     idx.sync([1, 2, 3, 4, 5, 9, 1, 2, 3])
-    assert idx.lookup(3) == ([4, 5, 9], 3)
+    assert _got(idx.lookup(3)) == ([4, 5, 9], 3)
 
 
 def test_longest_matching_suffix_wins_over_a_shorter_one():
     idx = NgramIndex(1, 3)
     # "2 3" occurs twice; the 3-gram "1 2 3" only once, followed by 7.
     idx.sync([1, 2, 3, 7, 0, 2, 3, 8, 5, 1, 2, 3])
-    assert idx.lookup(1) == ([7], 3)
+    assert _got(idx.lookup(1)) == ([7], 3)
 
 
 def test_most_recent_occurrence_is_used_for_equal_length_matches():
     idx = NgramIndex(2, 2)
     idx.sync([4, 5, 1, 9, 4, 5, 2, 9, 4, 5])
-    assert idx.lookup(1) == ([2], 2)
+    assert _got(idx.lookup(1)) == ([2], 3)  # "9 4 5": the 2-gram found, then one more token back
 
 
 def test_no_match_proposes_nothing():
     idx = NgramIndex(2, 3)
     idx.sync([1, 2, 3, 4, 5])
-    assert idx.lookup(4) == ([], 0)
+    assert _got(idx.lookup(4)) == ([], 0)
 
 
 def test_proposal_is_cut_at_the_end_of_the_context():
     idx = NgramIndex(2, 2)
     idx.sync([7, 8, 9, 7, 8])
-    assert idx.lookup(5) == ([9, 7, 8], 2)
+    assert _got(idx.lookup(5)) == ([9, 7, 8], 2)
 
 
 def test_growing_context_extends_index_and_changed_context_rebuilds_it():
     idx = NgramIndex(2, 2)
     idx.sync([1, 2, 3])
     idx.sync([1, 2, 3, 1, 2])  # extension
-    assert idx.lookup(1) == ([3], 2)
+    assert _got(idx.lookup(1)) == ([3], 2)
     idx.sync([5, 6, 7, 5, 6])  # a different request
-    assert idx.lookup(1) == ([7], 2)
+    assert _got(idx.lookup(1)) == ([7], 2)
     assert idx.tokens == [5, 6, 7, 5, 6]
 
 
@@ -54,3 +58,33 @@ def test_proposer_reports_point_mass_and_match_length():
     prop.begin([1, 2, 3, 4])
     p = prop.propose([1, 2, 3, 4, 1, 2], 2, SamplingParams(), np.random.default_rng(0))
     assert p.tokens == [3, 4] and p.q is None and p.info["match_len"] == 2
+
+
+def test_match_length_counts_back_past_n_max_up_to_the_cap():
+    idx = NgramIndex(2, 3)
+    run = list(range(100, 110))  # 10 distinct tokens, repeated: the suffix matches 10 back
+    idx.sync([1, *run, 7, 2, *run])
+    assert _got(idx.lookup(1)) == ([7], 10)
+    long = list(range(200, 260))
+    idx.sync([*long, 9, *long])
+    assert _got(idx.lookup(1)) == ([9], MATCH_CAP)
+
+
+def test_a_match_says_whether_it_copies_the_prompt_or_repeats_the_answer():
+    prop = NgramProposer(2, 4)
+    prompt = [1, 2, 3, 4, 5]
+    prop.begin(prompt)
+    copy = prop.match([*prompt, 1, 2], 2)  # "1 2" occurs in the prompt: copying it
+    assert copy.tokens == [3, 4] and copy.from_prompt
+    ctx = [*prompt, 8, 9, 6, 8, 9]  # "8 9" last occurred in the answer: a repeat
+    prop.begin(prompt)  # a new request
+    repeat = prop.match(ctx, 2)
+    assert repeat.tokens == [6, 8] and not repeat.from_prompt
+    assert prop.propose(ctx, 2, SamplingParams(), np.random.default_rng(0)).info["from_prompt"] == 0.0
+
+
+def test_a_new_request_without_begin_takes_its_context_as_the_prompt():
+    prop = NgramProposer(2, 2)
+    prop.begin([1, 2, 3])
+    m = prop.match([5, 6, 7, 5, 6], 1)  # not an extension of [1, 2, 3]: a new request
+    assert m.tokens == [7] and m.from_prompt

@@ -1,0 +1,116 @@
+"""Replay speculation policies over recorded greedy outputs: a noise-free model of the bench.
+
+Under greedy decoding the output does not depend on the policy (speculation is exact), so one
+plain run per prompt fixes every token, and which n-gram proposals would be accepted follows from
+the tokens alone. Pricing each step with a measured cost curve (seconds per target pass over n
+tokens) then gives each policy's speedup without timing anything: a controller change can be
+judged on many prompts and workload orders in seconds, free of the ±5 % noise of a shared
+machine. What it leaves out is what the recording cannot know: model proposers (their proposals
+need the model), and near-tie tokens where batched and single passes disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from homespec.controller import Controller
+from homespec.engine import PLAIN, FixedPolicy, SpeculationPolicy, StepStats
+from homespec.proposers.ngram import NgramProposer
+from homespec.sampling import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class Recording:
+    prompt: list[int]
+    output: list[int]  # greedy tokens; output[0] came from the prefill
+
+
+@dataclass
+class Replayed:
+    tokens: int = 0  # tokens emitted by steps (the prefill's first token excluded)
+    seconds: float = 0.0  # modelled step time
+    chosen: dict[str, int] = field(default_factory=dict)  # "ngram:4" -> steps
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def replay(
+    recordings: Sequence[Recording],
+    policy: SpeculationPolicy,
+    ngram: NgramProposer,
+    pass_s: Callable[[int], float],
+) -> Replayed:
+    """Run `policy` over the recordings as the engine would, with ngram as its only proposer
+    and a step priced at pass_s(tokens verified)."""
+    out = Replayed()
+    rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
+    for rec in recordings:
+        if "ngram" in policy.proposers_to_prefill():
+            ngram.begin(rec.prompt)
+        ctx, t = [*rec.prompt, rec.output[0]], 1
+        while t < len(rec.output):
+            d = policy.decide(ctx)
+            k = min(d.k, len(rec.output) - t - 1) if d.proposer == "ngram" else 0
+            proposal = ngram.propose(ctx, k, _GREEDY, rng) if k else None
+            drafted = proposal.tokens[:k] if proposal else []
+            n = 0
+            while n < len(drafted) and drafted[n] == rec.output[t + n]:
+                n += 1
+            outcomes = (True,) * n + ((False,) if n < len(drafted) else ())
+            info = proposal.info if proposal else {}
+            step = StepStats("ngram" if k else PLAIN, k, len(drafted), n, 0.0, pass_s(len(drafted) + 1), outcomes, info)
+            policy.observe(step)
+            ctx += rec.output[t : t + n + 1]
+            t += n + 1
+            out.tokens += n + 1
+            out.seconds += step.seconds
+            key = f"{step.proposer}:{step.k}"
+            out.chosen[key] = out.chosen.get(key, 0) + 1
+    return out
+
+
+def compare(
+    workloads: Mapping[str, Sequence[Recording]],
+    make_controller: Callable[[NgramProposer], Controller],
+    pass_s: Callable[[int], float],
+    fixed_k: Sequence[int] = (2, 4, 8),
+    orders: Sequence[Sequence[str]] | None = None,
+    ngram_n: tuple[int, int] = (2, 12),
+) -> dict[str, dict[str, float]]:
+    """Speedup over plain per workload for ngram at each fixed k, and for one auto controller
+    that sees the workloads in turn (per order: what it learnt on one carries to the next).
+    Returns {arm: {workload: speedup}}; auto's figure is its worst over the orders."""
+    def rate(recs: Sequence[Recording], policy: SpeculationPolicy, ngram: NgramProposer) -> float:
+        return replay(recs, policy, ngram, pass_s).rate
+
+    plain = {w: rate(r, FixedPolicy(), NgramProposer(*ngram_n)) for w, r in workloads.items()}
+    table = {
+        f"ngram k={k}": {w: rate(r, FixedPolicy("ngram", k), NgramProposer(*ngram_n)) / plain[w] for w, r in workloads.items()}
+        for k in fixed_k
+    }
+    names = list(workloads)
+    orders = orders or [names[i:] + names[:i] for i in range(len(names))]  # each workload once first
+    auto: dict[str, float] = {}
+    for order in orders:
+        ngram = NgramProposer(*ngram_n)
+        controller = make_controller(ngram)
+        for w in order:
+            gain = rate(workloads[w], controller, ngram) / plain[w]
+            auto[w] = min(auto.get(w, gain), gain)
+    table["auto"] = auto
+    return table
+
+
+def load_recordings(path: Path) -> dict[str, list[Recording]]:
+    """{workload: [{"prompt": [...], "output": [...]}]} as scripts/controller_replay.py records it."""
+    raw = json.loads(path.read_text())
+    return {w: [Recording(list(r["prompt"]), list(r["output"])) for r in recs] for w, recs in raw.items()}

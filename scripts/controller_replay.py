@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Judge the speculation controller on recorded greedy outputs, without timing anything.
+
+    .venv/bin/python scripts/controller_replay.py record OUT.json [--config C] [--messages M.json] [--max-tokens 200]
+    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json]
+
+record: greedy outputs of the bench's prompts (or of M.json: {workload: [[chat messages]]}), with
+the target model. replay: auto against fixed ngram arms on those outputs (homespec.replay), each
+step priced with the target's pass costs from a bench run's calibration (default: the curve the
+unit tests use, measured on the 2-core development machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_COSTS = ROOT / "tests" / "data" / "cpu_pass_costs.json"
+
+
+def record(args: argparse.Namespace) -> None:
+    from homespec.bench import load_workloads
+    from homespec.config import load_config
+    from homespec.engine import FixedPolicy, GenerationStats
+    from homespec.sampling import SamplingParams
+    from homespec.session import Session
+
+    if args.messages:
+        workloads = json.loads(Path(args.messages).read_text())
+    else:
+        workloads = {w.name: w.prompts for w in load_workloads()}
+    out: dict[str, list[dict]] = {}
+    with Session.open(load_config(args.config), calibrate=False, with_draft=False) as s:
+        m = s.models
+        for name, prompts in workloads.items():
+            for messages in prompts:
+                prompt = m.encode_chat(messages)
+                events = m.engine.generate(prompt, SamplingParams(temperature=0.0), args.max_tokens, (), FixedPolicy(), GenerationStats())
+                output = [t for ev in events for t in ev.tokens]
+                out.setdefault(name, []).append({"prompt": prompt, "output": output})
+                print(f"{name}: {len(prompt)} prompt tokens, {len(output)} output", file=sys.stderr)
+    Path(args.out).write_text(json.dumps(out))
+
+
+def replay(args: argparse.Namespace) -> None:
+    from homespec.config import ControllerConfig
+    from homespec.controller import Controller
+    from homespec.replay import load_recordings, compare
+
+    costs = json.loads(Path(args.costs).read_text())
+    costs = costs.get("calibration", {}).get("target", costs)  # a bench report, or {n: seconds}
+    samples = {int(n): float(s) for n, s in costs.items()}
+    ns = np.arange(1, max(samples) + 1)
+    curve = np.interp(ns, sorted(samples), [samples[n] for n in sorted(samples)])  # [n_max] seconds
+
+    workloads: dict = {}
+    for f in args.recordings:
+        for name, recs in load_recordings(Path(f)).items():
+            workloads.setdefault(name, []).extend(recs)
+
+    def controller(ngram):  # noqa: ANN001, ANN202
+        c = Controller(["ngram"], ControllerConfig(), k_max=max(samples) - 1, ngram_peek=ngram.match)
+        c.cost.set_verify(samples)
+        return c
+
+    table = compare(workloads, controller, lambda n: float(curve[min(n, len(curve)) - 1]))
+    names = list(workloads)
+    print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
+    for arm, row in table.items():
+        print(f"{arm:<10} " + " ".join(f"{row[w]:8.3f}" for w in names))
+    print(f"auto: its worst over workload orders (each workload first once); {sum(len(r) for r in workloads.values())} recordings")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("out")
+    r.add_argument("--config", default=None)
+    r.add_argument("--messages", default=None)
+    r.add_argument("--max-tokens", type=int, default=200)
+    q = sub.add_parser("replay")
+    q.add_argument("recordings", nargs="+")
+    q.add_argument("--costs", default=str(DEFAULT_COSTS))
+    args = p.parse_args()
+    record(args) if args.cmd == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()

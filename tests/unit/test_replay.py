@@ -1,0 +1,79 @@
+"""The controller replayed over recorded greedy outputs of the real target (no weights needed):
+issue 3's bars, checked on modelled step costs instead of a noisy clock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from homespec.config import ControllerConfig
+from homespec.controller import Controller
+from homespec.engine import FixedPolicy
+from homespec.proposers.ngram import NgramProposer
+from homespec.replay import Recording, compare, load_recordings, replay
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+K_MAX = 16
+
+
+def measured_cpu_cost():  # noqa: ANN201
+    """Target pass cost over n tokens as calibrated on the 2-core development machine."""
+    samples = {int(n): s for n, s in json.loads((DATA / "cpu_pass_costs.json").read_text()).items()}
+    curve = np.interp(np.arange(1, K_MAX + 2), sorted(samples), [samples[n] for n in sorted(samples)])  # [K_MAX + 1] s
+    return samples, lambda n: float(curve[n - 1])
+
+
+def gpu_cost():  # noqa: ANN201
+    samples = {n: 0.020 * (1 + 0.01 * (n - 1)) for n in range(1, K_MAX + 2)}  # memory-bound: nearly flat
+    return samples, lambda n: samples[n]
+
+
+def controller_for(samples):  # noqa: ANN001, ANN201
+    def make(ngram: NgramProposer) -> Controller:
+        c = Controller(["ngram"], ControllerConfig(), k_max=K_MAX, ngram_peek=ngram.match)
+        c.cost.set_verify(samples)
+        return c
+
+    return make
+
+
+def test_replayed_plain_decoding_costs_one_pass_per_token():
+    rec = Recording(prompt=[1, 2, 3], output=[4, 5, 6, 7])
+    r = replay([rec], FixedPolicy(), NgramProposer(2, 4), lambda n: 0.1 * n)
+    assert r.tokens == 3 and r.seconds == pytest.approx(0.3) and r.chosen == {"none:0": 3}
+
+
+def test_a_replayed_copy_of_the_prompt_is_accepted_in_long_steps():
+    text = list(range(10, 40))
+    rec = Recording(prompt=[1, *text, 2], output=text)
+    r = replay([rec], FixedPolicy("ngram", 8), NgramProposer(2, 4), lambda n: 0.1)
+    assert r.tokens == len(text) - 1
+    assert r.chosen.get("ngram:8", 0) >= 3 and sum(r.chosen.values()) <= 6
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, list[Recording]]:
+    return load_recordings(DATA / "greedy_outputs.json")
+
+
+def test_on_a_cpu_auto_never_loses_to_plain_and_keeps_up_with_the_best_fixed_ngram_k(recorded):
+    samples, cost = measured_cpu_cost()
+    table = compare(recorded, controller_for(samples), cost)
+    auto = table.pop("auto")  # the worst over the workload orders
+    for w in recorded:
+        best = max([1.0, *(row[w] for row in table.values())])
+        assert auto[w] >= 0.97, f"{w}: auto {auto[w]:.3f}x plain"
+        assert auto[w] >= 0.95 * best, f"{w}: auto {auto[w]:.3f}x, best fixed arm {best:.3f}x"
+    assert auto["edit"] >= 1.6
+
+
+def test_on_a_gpu_like_flat_cost_auto_speculates_everywhere_and_keeps_up_with_the_best_k(recorded):
+    samples, cost = gpu_cost()
+    table = compare(recorded, controller_for(samples), cost)
+    auto = table.pop("auto")
+    for w in recorded:
+        best = max(row[w] for row in table.values())
+        assert auto[w] > 1.05 and auto[w] >= 0.95 * best, f"{w}: auto {auto[w]:.3f}x, best fixed {best:.3f}x"
