@@ -1,6 +1,7 @@
 """Benchmark protocol (DESIGN.md, "Measuring"): every arm sees the same target, prompts,
-sampling (greedy), output length and warm state, interleaved prompt by prompt so that drift of
-a shared machine hits every arm alike. Speedups are ratios within one run.
+sampling (greedy), output length and warm state, interleaved prompt by prompt (and the arms'
+order reversed every other prompt) so that drift of a shared machine hits every arm alike.
+Speedups are ratios within one run.
 
 Warm state: for each prompt the target's KV cache is primed once with the prompt (not timed),
 and every arm starts from it, so the target's prefill — identical for all arms — is reported
@@ -160,8 +161,8 @@ class _AutoRecorder:
     def proposers_used(self) -> set[str]:
         return self.c.proposers_used()
 
-    def proposers_to_prefill(self) -> set[str]:
-        return self.c.proposers_to_prefill()
+    def begin(self, prompt):  # noqa: ANN001, ANN201 - SpeculationPolicy
+        return self.c.begin(prompt)
 
     def decide(self, context):  # noqa: ANN001, ANN201 - SpeculationPolicy
         d = self.c.decide(context)
@@ -228,17 +229,19 @@ def run_bench(
                 # llama-cpp-python samples the first token from saved logits without a pass,
                 # which would hand it one pass for free against every other arm.
                 reference.complete(tokens, 2)
-            plain_text: str | None = None
-            for arm in arms:
-                run = _run_arm(session, arm, tokens, greedy, max_tokens, reference)
+            # Every other prompt runs the arms in reverse: a drift of the machine's pace within
+            # one prompt's arms (minutes) then favours no arm for being first or last.
+            runs: dict[str, Run] = {}
+            for arm in arms if i % 2 == 0 else arms[::-1]:
+                run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference)
                 run.rss_mib = proc.memory_info().rss / 2**20
-                if arm.mode == "off":
-                    plain_text = run.text
-                by_arm[arm.name].add(run, plain_text if arm.mode != "off" else None)
-                if run.expected_gain is not None:
-                    r = by_arm[arm.name]
-                    r.expected_gain = run.expected_gain if r.expected_gain is None else (r.expected_gain * (r.runs - 1) + run.expected_gain) / r.runs
                 progress(f"{wl.name} #{i + 1} {arm.name:12s} {run.tokens:4d} tok {run.seconds:6.2f} s")
+            plain_text = next((runs[a.name].text for a in arms if a.mode == "off"), None)
+            for arm in arms:
+                run, r = runs[arm.name], by_arm[arm.name]
+                r.add(run, plain_text if arm.mode != "off" else None)
+                if run.expected_gain is not None:
+                    r.expected_gain = run.expected_gain if r.expected_gain is None else (r.expected_gain * (r.runs - 1) + run.expected_gain) / r.runs
         prefill[wl.name] = prefill_tokens / prefill_s if prefill_s else 0.0
         plain = by_arm.get("plain")
         if plain:

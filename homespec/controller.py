@@ -22,6 +22,14 @@ Everything on the right-hand side is measured on this machine, not assumed:
   2-token one) and by whether it copies the prompt or repeats the answer (an edit copying its
   input keeps ~13 of 16 tokens; prose repeating a phrase of its own, ~4).
 
+Earned length: within a request, a proposer may draft at most max(k0, 2 x its longest accepted
+run in this request) tokens, k0 being the longest draft whose verification costs at most
+UNEARNED_PASSES single passes. The acceptance estimates pool many requests, and requests differ
+most exactly where a long draft is at stake: the same 6-token ngram match that an edit copies in
+full, a chat answer leaves after one token. On 2 cores a 16-token draft rejected early costs ~6
+passes; capped (k0 = 5 there), the loss is at most 3, while a real copy reaches k = 16 by its
+third step. On a GPU's flat cost curve k0 is k_max: there a long draft risks little.
+
 Exploration: a proposer that is never chosen is never measured, so a change of workload (prose
 to code) would go unnoticed. A proposer not tried for `explore_every` steps gets one probe step,
 but only while the time lost to probes stays under EXPLORE_BUDGET of the recent total — a bound
@@ -58,6 +66,9 @@ PROBE_EWMA = 0.35
 # single token accepted cannot repay its probes (the 0.5B draft on 2 cores: ~1.07x at 100 %, a
 # loss at 90 %; its probes, with their catch-up, cost ~4 % of chat generation time in the bench).
 PROBE_ACCEPTANCE = 0.9
+# What a draft a request has not earned yet may cost to verify, in single target passes (see
+# the docstring): bounds the loss of a long draft that this request's text does not support.
+UNEARNED_PASSES = 3.0
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -137,16 +148,19 @@ class Controller:
         self.view = ControllerView()
         self._probing: tuple[str, int] | None = None  # (proposer, k) of a decided probe step
         self.sampled = False  # the current request samples (temperature > 0); set per request
+        self.earned: dict[str, int] = {}  # proposer -> longest accepted run in the current request
 
     # -- SpeculationPolicy -----------------------------------------------------------------
 
     def proposers_used(self) -> set[str]:
         return set(self.proposers)
 
-    def proposers_to_prefill(self) -> set[str]:
-        """ngram (indexing the prompt costs ~nothing, and tells it where the prompt ends), and
-        model proposers only while they pay (a draft's prefill costs TTFT for nothing otherwise);
-        the others catch up if a probe picks them."""
+    def begin(self, prompt: Sequence[int]) -> set[str]:
+        """A request starts: draft lengths are earned afresh. Prefill ngram (indexing the prompt
+        costs ~nothing, and tells it where the prompt ends), and model proposers only while they
+        pay (a draft's prefill costs TTFT for nothing otherwise); the others catch up if a probe
+        picks them."""
+        self.earned = {}
         plain = self._plain()
         return {
             p
@@ -192,6 +206,7 @@ class Controller:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, int(step.info.get("match_len", 0)), bool(step.info.get("from_prompt", 0)))
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
+            self.earned[step.proposer] = max(self.earned.get(step.proposer, 0), step.accepted)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
                 self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
                 self.view.probes += 1
@@ -230,18 +245,26 @@ class Controller:
         return p
 
     def _options(self, context: Sequence[int]) -> dict[str, tuple[AcceptanceKey, int]]:
-        """Proposers usable now: acceptance key and the largest k each can offer."""
+        """Proposers usable now: acceptance key and the largest k each may draft (what it has,
+        and what it has earned in this request)."""
         out: dict[str, tuple[AcceptanceKey, int]] = {}
+        unearned = self._unearned_k()
         for p in self.proposers:
+            earned = max(unearned, 2 * self.earned.get(p, 0))
             if p == "ngram":
                 if self.ngram_peek is None:
                     continue
                 m = self.ngram_peek(context, self.k_max)
                 if m.tokens:  # no match: nothing to propose
-                    out[p] = (self._key(p, m.length, m.from_prompt), len(m.tokens))
+                    out[p] = (self._key(p, m.length, m.from_prompt), min(len(m.tokens), earned))
             else:
-                out[p] = (self._key(p), self.k_max)
+                out[p] = (self._key(p), min(self.k_max, earned))
         return out
+
+    def _unearned_k(self) -> int:
+        """The longest draft whose verification costs at most UNEARNED_PASSES single passes."""
+        limit = UNEARNED_PASSES * self.cost.verify(1)
+        return max([1, *(k for k in range(1, self.k_max + 1) if self.cost.verify(k + 1) <= limit)])
 
     def _plain(self) -> Candidate:
         return Candidate(PLAIN, 0, 1.0, self.cost.verify(1))

@@ -65,8 +65,9 @@ class SpeculationPolicy(Protocol):
         """Proposers this policy may pick."""
         ...
 
-    def proposers_to_prefill(self) -> set[str]:
-        """Proposers worth catching up during prefill (others catch up when first used)."""
+    def begin(self, prompt: Sequence[int]) -> set[str]:
+        """A generation over `prompt` starts: returns the proposers worth prefilling with it
+        (the others catch up when first used)."""
         ...
 
     def decide(self, context: Sequence[int]) -> Decision: ...
@@ -83,7 +84,7 @@ class FixedPolicy:
     def proposers_used(self) -> set[str]:
         return {self.decision.proposer} - {PLAIN}
 
-    def proposers_to_prefill(self) -> set[str]:
+    def begin(self, prompt: Sequence[int]) -> set[str]:
         return self.proposers_used()
 
     def decide(self, context: Sequence[int]) -> Decision:
@@ -216,7 +217,7 @@ class Engine:
         st.prompt_tokens = len(ctx)
         st.cached_tokens = min(common_prefix(self.target.tokens, ctx), len(ctx) - 1)
         logits = self.target.sync(ctx)  # [1, vocab] after the prompt
-        for name in policy.proposers_to_prefill():
+        for name in policy.begin(ctx):
             self.proposers[name].begin(ctx)
         st.prefill_s = time.perf_counter() - t_start
         first = choose(logits[0], params, window(ctx, params), rng)

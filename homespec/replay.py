@@ -54,11 +54,13 @@ def replay(
     out = Replayed()
     rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
     for rec in recordings:
-        if "ngram" in policy.proposers_to_prefill():
+        if "ngram" in policy.begin(rec.prompt):
             ngram.begin(rec.prompt)
         ctx, t = [*rec.prompt, rec.output[0]], 1
         while t < len(rec.output):
             d = policy.decide(ctx)
+            if d.proposer not in ("ngram", PLAIN):
+                raise ValueError(f"replay has only ngram proposals; the policy chose {d.proposer!r}")
             k = min(d.k, len(rec.output) - t - 1) if d.proposer == "ngram" else 0
             proposal = ngram.propose(ctx, k, _GREEDY, rng) if k else None
             drafted = proposal.tokens[:k] if proposal else []

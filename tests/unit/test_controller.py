@@ -161,7 +161,7 @@ def test_a_proposer_that_cannot_pay_even_when_always_right_is_never_probed():
     c = m.controller(proposers=("draft",), explore_every=2)
     steps = m.run(c, 500)
     assert all(s.proposer == PLAIN for s in steps)
-    assert c.proposers_to_prefill() == set()
+    assert c.begin([1, 2, 3]) == set()
 
 
 def test_a_long_ngram_match_is_tried_on_first_sight():
@@ -191,6 +191,27 @@ def test_a_long_copy_of_the_prompt_and_a_long_repeat_of_the_answer_are_learned_a
     on_repeat = c.decide(m.ctx)
     assert on_copy.proposer == "ngram" and on_copy.k >= 8
     assert on_repeat.proposer == PLAIN
+
+
+def test_in_a_new_request_long_drafts_are_earned_by_accepted_runs_where_verification_is_costly():
+    copy = Match([1] * 16, 32, from_prompt=True)  # the prior trusts a 32-token copy: ~0.97 a token
+    m = Machine(cpu_cost, {})
+    c = m.controller(proposers=("ngram",))
+    c.ngram_peek = lambda ctx, k: copy
+    c.begin([0] * 10)
+    ks = []
+    for _ in range(3):
+        d = c.decide(m.ctx)
+        ks.append(d.k)
+        c.observe(StepStats("ngram", d.k, d.k, d.k, 0.0, cpu_cost(d.k + 1), (True,) * d.k, {"match_len": 32.0, "from_prompt": 1.0}))
+    # 4 = the longest draft verified within 3 passes on this curve; then twice each accepted run
+    assert ks == [4, 8, 16]
+    c.begin([0] * 10)  # the next request earns its own
+    assert c.decide(m.ctx).k == 4
+    g = Machine(gpu_cost, {}).controller(proposers=("ngram",))  # flat curve: nothing to earn
+    g.ngram_peek = lambda ctx, k: copy
+    g.begin([0] * 10)
+    assert g.decide(m.ctx).k == 16
 
 
 def test_sampled_and_greedy_requests_learn_acceptance_separately():

@@ -1,0 +1,52 @@
+"""`homespec bench` end to end on the real small target: arms, interleaving, the report."""
+
+from __future__ import annotations
+
+import pytest
+
+from homespec.bench import Workload, parse_arms, run_bench
+from homespec.cli.bench import format_report
+from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, SpeculationConfig
+from homespec.modelset import runtime_options
+from homespec.runtime import ReferenceDecoder
+from homespec.session import Session
+from tests.conftest import ROOT, TARGET, require
+
+pytestmark = pytest.mark.integration
+
+CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+
+
+def test_bench_runs_every_arm_on_every_prompt_and_reports_speedups_against_plain():
+    cfg = Config(
+        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None),
+        runtime=RuntimeConfig(n_ctx=512, n_batch=128),
+        speculation=SpeculationConfig(k_max=4),  # warm-up times passes over 1..5 tokens only
+        base_dir=ROOT,
+    )
+    edit = Workload("edit", "copy a file", [
+        [{"role": "user", "content": f"Return this file unchanged:\n```python\n{CODE}```"}],
+        [{"role": "user", "content": f"Rename `w` to `width` in this file:\n```python\n{CODE}```"}],
+    ])
+    arms = parse_arms("plain,reference,ngram:2,auto")
+    log: list[str] = []
+    with Session.open(cfg) as session:
+        reference = ReferenceDecoder(session.models.target_path, runtime_options(cfg, 0))
+        try:
+            report = run_bench(session, [edit], arms, max_tokens=10, reference=reference, progress=log.append)
+        finally:
+            reference.close()
+
+    # Prompt by prompt, the second in reverse arm order: no arm is always first or last.
+    order = [line.split()[2] for line in log]
+    assert order == ["plain", "llama.cpp", "ngram", "auto", "auto", "ngram", "llama.cpp", "plain"]
+    rows = {r.arm: r for r in report.results}
+    assert set(rows) == {"plain", "llama.cpp", "ngram k=2", "auto"}
+    assert all(r.runs == 2 and r.tokens == 20 for r in rows.values())
+    assert rows["plain"].speedup == pytest.approx(1.0)
+    assert rows["ngram k=2"].tally.proposed > 0  # the copy gives ngram something to propose
+    assert rows["auto"].tally.steps > 0 and rows["auto"].expected_gain is not None
+    assert all(0 <= r.same_as_plain <= 2 for r in rows.values())
+    text = format_report(report)
+    assert "== edit" in text and "ngram k=2" in text and "create_completion" in text
+    assert report.calibration["target"] and report.prefill["edit"] > 0
