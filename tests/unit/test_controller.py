@@ -200,12 +200,12 @@ def test_in_a_new_request_long_drafts_are_earned_by_accepted_runs_where_verifica
     c.ngram_peek = lambda ctx, k: copy
     c.begin([0] * 10)
     ks = []
-    for _ in range(3):
+    for _ in range(2):
         d = c.decide(m.ctx)
         ks.append(d.k)
         c.observe(StepStats("ngram", d.k, d.k, d.k, 0.0, cpu_cost(d.k + 1), (True,) * d.k, {"match_len": 32.0, "from_prompt": 1.0}))
-    # 4 = the longest draft verified within 3 passes on this curve; then twice each accepted run
-    assert ks == [4, 8, 16]
+    # 4 = the longest draft verified within 3 passes on this curve; a run of 4 accepted earns 16
+    assert ks == [4, 16]
     c.begin([0] * 10)  # the next request earns its own
     assert c.decide(m.ctx).k == 4
     g = Machine(gpu_cost, {}).controller(proposers=("ngram",))  # flat curve: nothing to earn
