@@ -208,7 +208,9 @@ def run_bench(
     prompts_per_workload: int | None = None,
     reference=None,  # runtime.ReferenceDecoder | None
     progress: Callable[[str], None] = lambda s: None,
+    rounds: int = 1,
 ) -> BenchReport:
+    """Each arm on each prompt, `rounds` times over (more rounds: less noise, proportionally longer)."""
     models = session.models
     proc = psutil.Process()
     greedy = SamplingParams(temperature=0.0)
@@ -217,7 +219,8 @@ def run_bench(
     for wl in workloads:
         by_arm = {a.name: ArmResult(a.name, wl.name) for a in arms}
         prefill_tokens, prefill_s = 0, 0.0
-        for i, messages in enumerate(wl.prompts[:prompts_per_workload]):
+        prompts = wl.prompts[:prompts_per_workload]
+        for n, (i, messages) in enumerate((i, m) for _ in range(rounds) for i, m in enumerate(prompts)):
             tokens = models.encode_chat(messages)
             models.target.reset()
             t0 = time.perf_counter()
@@ -232,7 +235,7 @@ def run_bench(
             # Every other prompt runs the arms in reverse: a drift of the machine's pace within
             # one prompt's arms (minutes) then favours no arm for being first or last.
             runs: dict[str, Run] = {}
-            for arm in arms if i % 2 == 0 else arms[::-1]:
+            for arm in arms if n % 2 == 0 else arms[::-1]:
                 run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference)
                 run.rss_mib = proc.memory_info().rss / 2**20
                 progress(f"{wl.name} #{i + 1} {arm.name:12s} {run.tokens:4d} tok {run.seconds:6.2f} s")

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from homespec.cli.common import add_config_argument, config_path
+from homespec.cli.common import add_config_argument, config_path, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,8 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="one prompt per workload, short outputs (< 3 min)")
     p.add_argument("--workload", action="append", choices=("code", "edit", "chat"), help="repeatable; default: all")
     p.add_argument("--arms", default=None, help="e.g. 'plain,reference,draft:2,ngram:4,auto' (default: all)")
-    p.add_argument("--max-tokens", type=int, default=None, help="output tokens per run (default 128, quick 48)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default 3, quick 1)")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per run (default 128, quick 48)")
+    p.add_argument("--prompts", type=positive_int, default=None, help="prompts per workload (default 3, quick 1)")
+    p.add_argument("--rounds", type=positive_int, default=1, help="run every prompt this many times (arms in alternating order)")
     p.add_argument("--json", type=Path, default=None, help="write results here (default bench-results/<time>.json)")
     p.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python's own create_completion arm")
 
@@ -41,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         report = run_bench(
             session, workloads, arms, max_tokens, prompts, reference,
-            progress=lambda s: print(f"  {s}", file=sys.stderr),
+            progress=lambda s: print(f"  {s}", file=sys.stderr), rounds=args.rounds,
         )
         if reference is not None:
             reference.close()

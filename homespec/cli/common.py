@@ -38,3 +38,11 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation (defaults from config.yaml)")
     g.add_argument("--mode", choices=MODES, default=None, help="proposer choice; auto measures and picks")
     g.add_argument("-k", type=int, default=None, help="draft length for the fixed modes")
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts: 0 or less is refused with a one-line usage error."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
