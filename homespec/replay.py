@@ -12,16 +12,18 @@ need the model), and near-tie tokens where batched and single passes disagree.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from homespec.controller import Controller
-from homespec.engine import PLAIN, FixedPolicy, SpeculationPolicy, StepStats
+from homespec.engine import PLAIN, FixedPolicy, SpeculationPolicy, StepStats, StepTally
+from homespec.estimates import CostModel
 from homespec.proposers.ngram import NgramProposer
 from homespec.sampling import SamplingParams
+from homespec.verify import greedy_verify
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -32,15 +34,18 @@ class Recording:
     output: list[int]  # greedy tokens; output[0] came from the prefill
 
 
-@dataclass
-class Replayed:
-    tokens: int = 0  # tokens emitted by steps (the prefill's first token excluded)
-    seconds: float = 0.0  # modelled step time
-    chosen: dict[str, int] = field(default_factory=dict)  # "ngram:4" -> steps
+def pass_cost(samples: Mapping[int, float]) -> Callable[[int], float]:
+    """Seconds per target pass over n tokens, from measured sizes (interpolated between them, as
+    the controller's cost model does)."""
+    cost = CostModel(max(samples), alpha=0.0)
+    cost.set_verify(samples)
+    return cost.verify
 
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+
+def rate(tally: StepTally) -> float:
+    """Tokens per modelled second."""
+    seconds = tally.draft_s + tally.verify_s
+    return tally.emitted / seconds if seconds else 0.0
 
 
 def replay(
@@ -48,10 +53,10 @@ def replay(
     policy: SpeculationPolicy,
     ngram: NgramProposer,
     pass_s: Callable[[int], float],
-) -> Replayed:
+) -> StepTally:
     """Run `policy` over the recordings as the engine would, with ngram as its only proposer
-    and a step priced at pass_s(tokens verified)."""
-    out = Replayed()
+    and a step priced at pass_s(tokens verified). The prefill's first token is not counted."""
+    out = StepTally()
     rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
     for rec in recordings:
         if "ngram" in policy.begin(rec.prompt):
@@ -64,19 +69,15 @@ def replay(
             k = min(d.k, len(rec.output) - t - 1) if d.proposer == "ngram" else 0
             proposal = ngram.propose(ctx, k, _GREEDY, rng) if k else None
             drafted = proposal.tokens[:k] if proposal else []
-            n = 0
-            while n < len(drafted) and drafted[n] == rec.output[t + n]:
-                n += 1
-            outcomes = (True,) * n + ((False,) if n < len(drafted) else ())
+            # The recorded output is the target's argmax after each drafted prefix.
+            verdict = greedy_verify(drafted, np.asarray(rec.output[t : t + len(drafted) + 1]))
             info = proposal.info if proposal else {}
-            step = StepStats("ngram" if k else PLAIN, k, len(drafted), n, 0.0, pass_s(len(drafted) + 1), outcomes, info)
+            step = StepStats("ngram" if k else PLAIN, k, len(drafted), verdict.accepted, 0.0,
+                             pass_s(len(drafted) + 1), tuple(verdict.outcomes), info)
             policy.observe(step)
-            ctx += rec.output[t : t + n + 1]
-            t += n + 1
-            out.tokens += n + 1
-            out.seconds += step.seconds
-            key = f"{step.proposer}:{step.k}"
-            out.chosen[key] = out.chosen.get(key, 0) + 1
+            out.add(step)
+            ctx += verdict.tokens
+            t += len(verdict.tokens)
     return out
 
 
@@ -91,12 +92,12 @@ def compare(
     """Speedup over plain per workload for ngram at each fixed k, and for one auto controller
     that sees the workloads in turn (per order: what it learnt on one carries to the next).
     Returns {arm: {workload: speedup}}; auto's figure is its worst over the orders."""
-    def rate(recs: Sequence[Recording], policy: SpeculationPolicy, ngram: NgramProposer) -> float:
-        return replay(recs, policy, ngram, pass_s).rate
+    def speed(recs: Sequence[Recording], policy: SpeculationPolicy, ngram: NgramProposer) -> float:
+        return rate(replay(recs, policy, ngram, pass_s))
 
-    plain = {w: rate(r, FixedPolicy(), NgramProposer(*ngram_n)) for w, r in workloads.items()}
+    plain = {w: speed(r, FixedPolicy(), NgramProposer(*ngram_n)) for w, r in workloads.items()}
     table = {
-        f"ngram k={k}": {w: rate(r, FixedPolicy("ngram", k), NgramProposer(*ngram_n)) / plain[w] for w, r in workloads.items()}
+        f"ngram k={k}": {w: speed(r, FixedPolicy("ngram", k), NgramProposer(*ngram_n)) / plain[w] for w, r in workloads.items()}
         for k in fixed_k
     }
     names = list(workloads)
@@ -106,7 +107,7 @@ def compare(
         ngram = NgramProposer(*ngram_n)
         controller = make_controller(ngram)
         for w in order:
-            gain = rate(workloads[w], controller, ngram) / plain[w]
+            gain = speed(workloads[w], controller, ngram) / plain[w]
             auto[w] = min(auto.get(w, gain), gain)
     table["auto"] = auto
     return table

@@ -17,7 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_COSTS = ROOT / "tests" / "data" / "cpu_pass_costs.json"
@@ -50,13 +49,11 @@ def record(args: argparse.Namespace) -> None:
 def replay(args: argparse.Namespace) -> None:
     from homespec.config import ControllerConfig
     from homespec.controller import Controller
-    from homespec.replay import load_recordings, compare
+    from homespec.replay import compare, load_recordings, pass_cost
 
     costs = json.loads(Path(args.costs).read_text())
     costs = costs.get("calibration", {}).get("target", costs)  # a bench report, or {n: seconds}
-    samples = {int(n): float(s) for n, s in costs.items()}
-    ns = np.arange(1, max(samples) + 1)
-    curve = np.interp(ns, sorted(samples), [samples[n] for n in sorted(samples)])  # [n_max] seconds
+    samples = {int(n): float(s) for n, s in costs.items()}  # tokens in a pass -> seconds
 
     workloads: dict = {}
     for f in args.recordings:
@@ -68,7 +65,7 @@ def replay(args: argparse.Namespace) -> None:
         c.cost.set_verify(samples)
         return c
 
-    table = compare(workloads, controller, lambda n: float(curve[min(n, len(curve)) - 1]))
+    table = compare(workloads, controller, pass_cost(samples))
     names = list(workloads)
     print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
     for arm, row in table.items():

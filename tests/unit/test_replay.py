@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from homespec.config import ControllerConfig
 from homespec.controller import Controller
 from homespec.engine import FixedPolicy
 from homespec.proposers.ngram import NgramProposer
-from homespec.replay import Recording, compare, load_recordings, replay
+from homespec.replay import Recording, compare, load_recordings, pass_cost, replay
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 K_MAX = 16
@@ -22,8 +21,7 @@ K_MAX = 16
 def measured_cpu_cost():  # noqa: ANN201
     """Target pass cost over n tokens as calibrated on the 2-core development machine."""
     samples = {int(n): s for n, s in json.loads((DATA / "cpu_pass_costs.json").read_text()).items()}
-    curve = np.interp(np.arange(1, K_MAX + 2), sorted(samples), [samples[n] for n in sorted(samples)])  # [K_MAX + 1] s
-    return samples, lambda n: float(curve[n - 1])
+    return samples, pass_cost(samples)
 
 
 def gpu_cost():  # noqa: ANN201
@@ -43,15 +41,15 @@ def controller_for(samples):  # noqa: ANN001, ANN201
 def test_replayed_plain_decoding_costs_one_pass_per_token():
     rec = Recording(prompt=[1, 2, 3], output=[4, 5, 6, 7])
     r = replay([rec], FixedPolicy(), NgramProposer(2, 4), lambda n: 0.1 * n)
-    assert r.tokens == 3 and r.seconds == pytest.approx(0.3) and r.chosen == {"none:0": 3}
+    assert r.emitted == 3 and r.verify_s == pytest.approx(0.3) and r.by_choice == {"none:0": 3}
 
 
 def test_a_replayed_copy_of_the_prompt_is_accepted_in_long_steps():
     text = list(range(10, 40))
     rec = Recording(prompt=[1, *text, 2], output=text)
     r = replay([rec], FixedPolicy("ngram", 8), NgramProposer(2, 4), lambda n: 0.1)
-    assert r.tokens == len(text) - 1
-    assert r.chosen.get("ngram:8", 0) >= 3 and sum(r.chosen.values()) <= 6
+    assert r.emitted == len(text) - 1
+    assert r.by_choice.get("ngram:8", 0) >= 3 and r.steps <= 6
 
 
 @pytest.fixture(scope="module")
