@@ -23,7 +23,7 @@ from homespec import __version__
 from homespec.config import Config
 from homespec.engine import GenerationStats, PromptTooLong
 from homespec.errors import UserError
-from homespec.gguf_info import read_gguf_info
+from homespec.llama.gguf_info import read_gguf_info
 from homespec.memory import LoadPlan, pair_footprints, plan_load, read_headroom
 from homespec.memory_watch import HeadroomWatcher
 from homespec.models import resolve_model_path

@@ -26,7 +26,7 @@ from typing import Iterator, Mapping, Protocol, Sequence
 import numpy as np
 
 from homespec.proposers.base import Proposal, Proposer
-from homespec.runtime import Runtime, common_prefix
+from homespec.llama.runtime import Runtime, common_prefix
 from homespec.sampling import SamplingParams, choose, make_rng, target_view, window
 from homespec.textstream import TextStream
 from homespec.verify import Verdict, greedy_verify, rejection_verify

@@ -34,7 +34,7 @@ from homespec.errors import UserError
 
 if TYPE_CHECKING:
     from homespec.config import MemoryConfig
-    from homespec.gguf_info import GGUFInfo
+    from homespec.llama.gguf_info import GGUFInfo
 
 log = logging.getLogger("homespec.memory")
 

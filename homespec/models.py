@@ -136,7 +136,7 @@ def verify(path: Path, entry: RegistryEntry | None = None) -> None:
     if magic != b"GGUF":
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}){again if entry else ''}")
     if entry is None:
-        from homespec.gguf_info import read_gguf_info
+        from homespec.llama.gguf_info import read_gguf_info
 
         read_gguf_info(path)
         return

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from homespec.chat import ChatTemplate
+from homespec.llama.template import ChatTemplate
 from homespec.config import Config
 from homespec.engine import Engine
-from homespec.gguf_info import check_tokenizer_compat
+from homespec.llama.gguf_info import check_tokenizer_compat
 from homespec.models import resolve_model_path
 from homespec.proposers.draft import DraftProposer
 from homespec.proposers.ngram import NgramProposer
 from homespec.proposers.mtp import head_window, open_mtp
-from homespec.runtime import Runtime, RuntimeOptions
+from homespec.llama.runtime import Runtime, RuntimeOptions
 
 log = logging.getLogger("homespec.modelset")
 

@@ -21,7 +21,7 @@ from homespec.controller import Controller, calibrate, make_policy
 from homespec.engine import Event, GenerationStats
 from homespec.errors import UserError
 from homespec.modelset import ModelSet, load_model_set
-from homespec.prefix_cache import PrefixCache
+from homespec.llama.prefix_cache import PrefixCache
 from homespec.sampling import SamplingParams
 
 _GREEDY = SamplingParams()

@@ -26,7 +26,7 @@ def main(args: argparse.Namespace) -> int:
     from homespec.bench import default_arms, load_workloads, parse_arms, run_bench
     from homespec.config import load_config
     from homespec.modelset import runtime_options
-    from homespec.runtime import ReferenceDecoder
+    from homespec.llama.runtime import ReferenceDecoder
     from homespec.session import Session
 
     cfg = load_config(config_path(args.config))

@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
 def _collect(args: argparse.Namespace, cfg, target: Path, data: Path, kinds: tuple[str, ...]) -> None:
     from homespec.errors import UserError
     from homespec.mtp.collect import chunk_paths, collect
-    from homespec.runtime import Runtime, RuntimeOptions
+    from homespec.llama.runtime import Runtime, RuntimeOptions
 
     existing = [p for p in chunk_paths(data) if p.stem.split("-")[0] in kinds] if data.exists() else []
     if existing and not (args.resume or args.fresh):
@@ -157,7 +157,7 @@ class AcceptanceReport:
 
 
 def chat_tokens(rt, user: str, system: str | None) -> list[int]:
-    from homespec.chat import ChatTemplate
+    from homespec.llama.template import ChatTemplate
 
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
     return rt.tokenize(ChatTemplate(rt.chat_template).render(messages), add_special=False, parse_special=True)
@@ -169,7 +169,7 @@ def measure_acceptance(target: Path, head: Path, prompts: list[str], *, k: int =
     from homespec.engine import Engine, FixedPolicy, GenerationStats
     from homespec.mtp.collect import CODE_SYSTEM
     from homespec.proposers.mtp import head_window, open_mtp
-    from homespec.runtime import Runtime, RuntimeOptions
+    from homespec.llama.runtime import Runtime, RuntimeOptions
 
     rt = Runtime(target, RuntimeOptions(n_ctx=2048, n_threads=threads, hidden_window=head_window(head)))
     try:

@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from homespec.chat import ChatTemplate
+from homespec.llama.template import ChatTemplate
 
 TOP_K = 16  # next-token candidates stored per position: > 0.95 of the mass on code
 SEQ_TOKENS = 384  # tokens per source-code window (a short file's worth of context)
@@ -223,7 +223,7 @@ def top_k(logits: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
 class _Recorder:
     """Evaluates tokens on an embeddings-enabled runtime and keeps each position's record."""
 
-    def __init__(self, rt) -> None:  # rt: homespec.runtime.Runtime with embeddings on
+    def __init__(self, rt) -> None:  # rt: homespec.llama.runtime.Runtime with embeddings on
         self.rt = rt
         self.tokens: list[int] = []
         self.hidden: list[np.ndarray] = []

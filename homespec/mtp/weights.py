@@ -5,7 +5,7 @@ projection (restricted to the head's output vocabulary) and, for initialisation 
 its decoder layers. Only the rows asked for are dequantised: the full embedding in float32
 would be 933 MB, the rows of a 16k-token vocabulary are 100 MB.
 
-The file is memory-mapped and its header parsed with homespec.gguf_info (well under a second;
+The file is memory-mapped and its header parsed with homespec.llama.gguf_info (well under a second;
 `gguf.GGUFReader` takes ~10 s on Qwen2.5's 151,936-token vocabulary). A 2-D GGUF tensor with
 dims [ne0, ne1] is ne1 rows of ne0 values, which is torch's Linear layout [out, in].
 """
@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from homespec.errors import ModelError
-from homespec.gguf_info import _read_header
+from homespec.llama.gguf_info import _read_header
 
 
 @dataclass(frozen=True)

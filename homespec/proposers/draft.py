@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from homespec.proposers.base import Proposal
-from homespec.runtime import Runtime, common_prefix
+from homespec.llama.runtime import Runtime, common_prefix
 from homespec.sampling import SamplingParams, penalize, probabilities, sample, window
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from homespec.errors import ModelError
 from homespec.proposers.base import Proposal
-from homespec.runtime import common_prefix
+from homespec.llama.runtime import common_prefix
 from homespec.sampling import SamplingParams, penalize, probabilities, sample, window
 
 

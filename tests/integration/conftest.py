@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from homespec.runtime import Runtime, RuntimeOptions
+from homespec.llama.runtime import Runtime, RuntimeOptions
 from tests.conftest import DRAFT, TARGET, require
 from tests.integration.server_fixtures import served  # noqa: F401 - one daemon for every module
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from homespec.chat import ChatTemplate
+from homespec.llama.template import ChatTemplate
 
 PROBE_PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
 

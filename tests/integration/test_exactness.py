@@ -71,7 +71,7 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
 @pytest.mark.integration
 def test_self_speculation_accepts_nearly_everything(draft_rt):
     """The 0.5B drafting for itself: any rejection can only come from batch noise."""
-    from homespec.runtime import Runtime
+    from homespec.llama.runtime import Runtime
     from tests.conftest import DRAFT
     from tests.integration.conftest import OPTS
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.runtime import Runtime, RuntimeOptions
+from homespec.llama.runtime import Runtime, RuntimeOptions
 from tests.conftest import MODELS, TARGET, require
 from tests.integration.exactness import Recording, encode, first_divergence, margin
 

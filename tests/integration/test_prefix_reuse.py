@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from homespec.chat import ChatTemplate
+from homespec.llama.template import ChatTemplate
 from homespec.engine import Engine, FixedPolicy, GenerationStats
-from homespec.prefix_cache import PrefixCache
-from homespec.runtime import common_prefix
+from homespec.llama.prefix_cache import PrefixCache
+from homespec.llama.runtime import common_prefix
 from tests.integration.exactness import Recording, first_divergence, margin
 
 SYSTEM_A = "You are a terse assistant for a home automation server. " * 12

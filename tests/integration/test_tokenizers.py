@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from homespec.errors import IncompatibleTokenizer
-from homespec.gguf_info import check_tokenizer_compat
+from homespec.llama.gguf_info import check_tokenizer_compat
 from tests.conftest import DRAFT, SMOLLM, TARGET, require
 
 

@@ -1,6 +1,6 @@
 """A scripted stand-in for Runtime: logits are a deterministic function of the context.
 
-It keeps the same contract as homespec.runtime.Runtime (tokens held in the cache, eval appends,
+It keeps the same contract as homespec.llama.runtime.Runtime (tokens held in the cache, eval appends,
 truncate, sync with prefix reuse), so the engine and proposers run unchanged on it, without
 weights and without llama.cpp's batch noise.
 """
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from homespec.runtime import ContextFull, common_prefix
+from homespec.llama.runtime import ContextFull, common_prefix
 
 
 class FakeRuntime:

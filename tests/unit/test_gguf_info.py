@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from homespec.errors import IncompatibleTokenizer, ModelError
-from homespec.gguf_info import (
+from homespec.llama.gguf_info import (
     check_tokenizer_compat,
     compare_tokenizers,
     read_gguf_info,

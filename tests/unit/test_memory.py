@@ -160,7 +160,7 @@ def test_estimate_rejects_a_nonpositive_context():
     not (MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf").exists(), reason="models not pulled (homespec models pull)"
 )
 def test_estimate_from_the_real_gguf_header_matches_llama_cpp_logged_sizes():
-    from homespec.gguf_info import read_gguf_info
+    from homespec.llama.gguf_info import read_gguf_info
 
     info = read_gguf_info(MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
     fp = estimate(info, 4096, 512, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from homespec.engine import Engine, FixedPolicy, GenerationStats
-from homespec.prefix_cache import PrefixCache
+from homespec.llama.prefix_cache import PrefixCache
 
 from .fakes import FakeRuntime
 

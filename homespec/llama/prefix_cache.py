@@ -22,9 +22,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from homespec.runtime import common_prefix
+from homespec.llama.runtime import common_prefix
 
-log = logging.getLogger("homespec.prefix_cache")
+log = logging.getLogger("homespec.llama.prefix_cache")
 
 
 class _StatefulRuntime(Protocol):

@@ -31,7 +31,7 @@ import llama_cpp
 
 from homespec.errors import ModelError
 
-log = logging.getLogger("homespec.runtime")
+log = logging.getLogger("homespec.llama.runtime")
 _llama_log = logging.getLogger("homespec.llama_cpp")
 
 Output = Literal["all", "last", "none"]
