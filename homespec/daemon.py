@@ -24,9 +24,9 @@ from homespec.config import Config
 from homespec.engine import GenerationStats, PromptTooLong
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
-from homespec.memory import LoadPlan, pair_footprints, plan_load, read_headroom
-from homespec.memory_watch import HeadroomWatcher
-from homespec.models import resolve_model_path
+from homespec.models.memory import LoadPlan, pair_footprints, plan_load, read_headroom
+from homespec.models.memory_watch import HeadroomWatcher
+from homespec.models.fetch import resolve_model_path
 from homespec.proposers.mtp import head_ram
 from homespec.session import GenerationRequest, Session
 from homespec.stats import LiveStats, Metrics

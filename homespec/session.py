@@ -20,7 +20,7 @@ from homespec.config import Config
 from homespec.controller import Controller, calibrate, make_policy
 from homespec.engine import Event, GenerationStats
 from homespec.errors import UserError
-from homespec.modelset import ModelSet, load_model_set
+from homespec.models.loader import ModelSet, load_model_set
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.sampling import SamplingParams
 

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from homespec.bench import default_arms, load_workloads, parse_arms, run_bench
     from homespec.config import load_config
-    from homespec.modelset import runtime_options
+    from homespec.models.loader import runtime_options
     from homespec.llama.runtime import ReferenceDecoder
     from homespec.session import Session
 

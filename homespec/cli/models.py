@@ -57,7 +57,7 @@ def _local_refs(cfg) -> list[tuple[str, object]]:  # (role, resolved path) of mo
 def _select(names: list[str], registry: dict, cfg, *, extra: list[str]) -> list:
     """Registry entries for explicit names, else the config's models plus `extra`, in order."""
     from homespec.errors import UserError
-    from homespec.registry import get_entry
+    from homespec.models.registry import get_entry
 
     if names:
         return [get_entry(registry, n) for n in dict.fromkeys(names)]
@@ -85,7 +85,7 @@ def _pull(args, cfg, registry, models_dir) -> int:
     import sys
 
     from homespec.errors import ModelError
-    from homespec.models import ensure, format_size
+    from homespec.models.fetch import ensure, format_size
 
     extra = [n for n, e in registry.items() if e.default or (args.with_test_models and e.role == "test")]
     entries = _select(args.names, registry, cfg, extra=extra)
@@ -108,7 +108,7 @@ def _pull(args, cfg, registry, models_dir) -> int:
 
 
 def _list(args, cfg, registry, models_dir) -> int:
-    from homespec.models import format_size, is_verified
+    from homespec.models.fetch import format_size, is_verified
 
     uses = _config_uses(cfg)
     rows = [("NAME", "ROLE", "FILE", "SIZE", "STATE", "CONFIG")]
@@ -136,7 +136,7 @@ def _verify(args, cfg, registry, models_dir) -> int:
     import time
 
     from homespec.errors import ModelError
-    from homespec.models import verify
+    from homespec.models.fetch import verify
 
     on_disk = [n for n, e in registry.items() if (models_dir / e.file).exists()]
     entries = _select(args.names, registry, cfg, extra=on_disk)
@@ -161,7 +161,7 @@ def _verify(args, cfg, registry, models_dir) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from homespec.registry import load_registry
+    from homespec.models.registry import load_registry
 
     from homespec.config import load_config
 

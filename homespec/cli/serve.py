@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(cfg)
     check_bind(cfg.server.host, api_key, cfg.server.allow_unauthenticated_remote)
     # Fail fast on missing models, before binding the port (the worker would only log it).
-    from homespec.models import resolve_model_path
+    from homespec.models.fetch import resolve_model_path
 
     resolve_model_path(cfg, cfg.models.target)
     if cfg.models.draft:

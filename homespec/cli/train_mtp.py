@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config
     from homespec.errors import UserError
-    from homespec.models import resolve_model_path
+    from homespec.models.fetch import resolve_model_path
 
     cfg = load_config(config_path(args.config))
     target = resolve_model_path(cfg, cfg.models.target)

@@ -7,7 +7,7 @@ import pytest
 from homespec.bench import Workload, parse_arms, run_bench
 from homespec.cli.bench import format_report
 from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, SpeculationConfig
-from homespec.modelset import runtime_options
+from homespec.models.loader import runtime_options
 from homespec.llama.runtime import ReferenceDecoder
 from homespec.session import Session
 from tests.conftest import ROOT, TARGET, require

@@ -14,7 +14,7 @@ import pytest
 
 from homespec.config import MemoryConfig
 from homespec.errors import UserError
-from homespec.memory import (
+from homespec.models.memory import (
     MIN_SHRINK_CTX,
     MODEL_OVERHEAD,
     VERIFY_OUTPUTS,
@@ -30,7 +30,7 @@ from homespec.memory import (
     prefix_cache_budget,
     read_headroom,
 )
-from homespec.memory_watch import RELOAD_MARGIN, HeadroomWatcher, decide
+from homespec.models.memory_watch import RELOAD_MARGIN, HeadroomWatcher, decide
 
 MiB = 1024**2
 GiB = 1024**3
@@ -212,7 +212,7 @@ def test_missing_nvml_reads_as_no_vram_and_is_logged_once(caplog):
         raise ImportError("No module named 'pynvml'")
 
     vram = NvmlVram(load=no_module)
-    with caplog.at_level(logging.DEBUG, logger="homespec.memory"):
+    with caplog.at_level(logging.DEBUG, logger="homespec.models.memory"):
         assert vram() is None and vram() is None
     assert len([r for r in caplog.records if "NVML unavailable" in r.message]) == 1
 
@@ -286,7 +286,7 @@ def cfg(**kw) -> MemoryConfig:
 
 
 def test_pair_that_fits_is_loaded_and_the_log_line_gives_the_numbers(caplog):
-    with caplog.at_level(logging.INFO, logger="homespec.memory"):
+    with caplog.at_level(logging.INFO, logger="homespec.models.memory"):
         plan = plan_load(pair(1536, 512), ram(8), cfg(prefix_cache_mib=512), n_ctx=4096)
     assert (plan.decision, plan.load_draft, plan.n_ctx) == ("load", True, 4096)
     assert plan.require() is plan
@@ -310,7 +310,7 @@ def test_refuse_policy_refuses_when_pair_does_not_fit_with_an_actionable_line():
 
 
 def test_drop_draft_policy_serves_target_alone_when_pair_does_not_fit(caplog):
-    with caplog.at_level(logging.WARNING, logger="homespec.memory"):
+    with caplog.at_level(logging.WARNING, logger="homespec.models.memory"):
         plan = plan_load(pair(1536, 1024), ram(3.0), cfg(policy="drop-draft"), n_ctx=4096)
     assert (plan.decision, plan.load_draft, plan.n_ctx) == ("drop-draft", False, 4096)
     assert plan.ram_need == 1536 * MiB
@@ -420,7 +420,7 @@ def watcher(levels_gib: list[float], draft: Footprint = DRAFT, vram_gib: list[fl
 def test_watcher_unloads_the_draft_below_the_reserve_and_says_so(caplog):
     clock = Clock()
     w, calls = watcher([0.6], clock=clock)
-    with caplog.at_level(logging.WARNING, logger="homespec.memory"):
+    with caplog.at_level(logging.WARNING, logger="homespec.models.memory"):
         act = w.check()
     assert act is not None and act.action == "unload-draft" and calls == ["unload"] and not w.draft_loaded
     hhmmss = time.strftime("%H:%M:%S", time.localtime(clock.t))

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from homespec.config import MemoryConfig
     from homespec.llama.gguf_info import GGUFInfo
 
-log = logging.getLogger("homespec.memory")
+log = logging.getLogger("homespec.models.memory")
 
 MiB = 1024**2  # bytes
 GiB = 1024**3  # bytes

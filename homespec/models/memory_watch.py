@@ -12,12 +12,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal
 
-from homespec.memory import Footprint, Headroom, MiB, fmt_bytes, read_headroom
+from homespec.models.memory import Footprint, Headroom, MiB, fmt_bytes, read_headroom
 
 if TYPE_CHECKING:
     from homespec.config import MemoryConfig
 
-log = logging.getLogger("homespec.memory")
+log = logging.getLogger("homespec.models.memory")
 
 # Hysteresis: reload the draft only when headroom exceeds reserve + draft + this margin, larger than
 # the drift of available memory between two polls on a quiet server (page cache, small services).

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from homespec.errors import ModelError
-from homespec.registry import RegistryEntry, get_entry, load_registry
+from homespec.models.registry import RegistryEntry, get_entry, load_registry
 
 if TYPE_CHECKING:
     from homespec.config import Config, ModelRef
