@@ -21,10 +21,10 @@ import numpy as np
 import psutil
 import yaml
 
-from homespec.controller import Controller
-from homespec.estimates import expected_emitted
-from homespec.engine import FixedPolicy, GenerationStats, StepStats, StepTally
-from homespec.sampling import SamplingParams
+from homespec.speculation.controller import Controller
+from homespec.speculation.costs import expected_emitted
+from homespec.speculation.engine import FixedPolicy, GenerationStats, StepStats, StepTally
+from homespec.speculation.sampling import SamplingParams
 from homespec.session import Session
 
 WORKLOADS = ("code", "edit", "chat")

@@ -21,13 +21,13 @@ import psutil
 
 from homespec import __version__
 from homespec.config import Config
-from homespec.engine import GenerationStats, PromptTooLong
+from homespec.speculation.engine import GenerationStats, PromptTooLong
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
 from homespec.models.memory import LoadPlan, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
 from homespec.models.fetch import resolve_model_path
-from homespec.proposers.mtp import head_ram
+from homespec.speculation.proposers.mtp import head_ram
 from homespec.session import GenerationRequest, Session
 from homespec.stats import LiveStats, Metrics
 from homespec.stats_schema import DaemonState, RequestRecord

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from homespec.config import SpeculationMode
-from homespec.engine import GenerationStats
+from homespec.speculation.engine import GenerationStats
 
 
 class ApiError(Exception):

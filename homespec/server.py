@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from homespec import openai_api as oa
 from homespec.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 from homespec.errors import UserError
-from homespec.sampling import SamplingParams
+from homespec.speculation.sampling import SamplingParams
 from homespec.session import GenerationRequest
 from homespec.stats_view import build_stats_view
 

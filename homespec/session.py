@@ -17,12 +17,12 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from homespec.config import Config
-from homespec.controller import Controller, calibrate, make_policy
-from homespec.engine import Event, GenerationStats
+from homespec.speculation.controller import Controller, calibrate, make_policy
+from homespec.speculation.engine import Event, GenerationStats
 from homespec.errors import UserError
 from homespec.models.loader import ModelSet, load_model_set
 from homespec.llama.prefix_cache import PrefixCache
-from homespec.sampling import SamplingParams
+from homespec.speculation.sampling import SamplingParams
 
 _GREEDY = SamplingParams()
 

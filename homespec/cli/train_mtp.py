@@ -166,9 +166,9 @@ def chat_tokens(rt, user: str, system: str | None) -> list[int]:
 def measure_acceptance(target: Path, head: Path, prompts: list[str], *, k: int = 4, max_tokens: int = 128,
                        threads: int | None = None) -> AcceptanceReport:
     """Greedy generation with FixedPolicy("mtp", k) on each prompt; per-position outcomes."""
-    from homespec.engine import Engine, FixedPolicy, GenerationStats
+    from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
     from homespec.mtp.collect import CODE_SYSTEM
-    from homespec.proposers.mtp import head_window, open_mtp
+    from homespec.speculation.proposers.mtp import head_window, open_mtp
     from homespec.llama.runtime import Runtime, RuntimeOptions
 
     rt = Runtime(target, RuntimeOptions(n_ctx=2048, n_threads=threads, hidden_window=head_window(head)))

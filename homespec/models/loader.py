@@ -15,12 +15,12 @@ from typing import Any, Mapping, Sequence
 
 from homespec.llama.template import ChatTemplate
 from homespec.config import Config
-from homespec.engine import Engine
+from homespec.speculation.engine import Engine
 from homespec.llama.gguf_info import check_tokenizer_compat
 from homespec.models.fetch import resolve_model_path
-from homespec.proposers.draft import DraftProposer
-from homespec.proposers.ngram import NgramProposer
-from homespec.proposers.mtp import head_window, open_mtp
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.speculation.proposers.mtp import head_window, open_mtp
 from homespec.llama.runtime import Runtime, RuntimeOptions
 
 log = logging.getLogger("homespec.models.loader")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.engine import Engine, FixedPolicy, GenerationStats
-from homespec.proposers.draft import DraftProposer
-from homespec.proposers.ngram import NgramProposer
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.proposers.ngram import NgramProposer
 from tests.integration.exactness import Recording, encode, first_divergence, margin
 
 PROMPTS = [

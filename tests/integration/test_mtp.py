@@ -107,7 +107,7 @@ def untrained_head(tmp_path_factory):
 @pytest.mark.integration
 def test_a_configured_head_is_served_with_the_hidden_window_and_its_cost_calibrated(untrained_head):
     from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
-    from homespec.proposers.mtp import head_window
+    from homespec.speculation.proposers.mtp import head_window
     from homespec.session import GenerationRequest, Session
 
     cfg = Config(
@@ -128,7 +128,7 @@ def test_a_configured_head_is_served_with_the_hidden_window_and_its_cost_calibra
 @pytest.fixture(scope="module", params=["trained", "untrained"])
 def mtp_engine_parts(request):
     pytest.importorskip("torch", reason="the MTP head needs torch: pip install 'homespec[mtp]'")
-    from homespec.proposers.mtp import head_window, open_mtp
+    from homespec.speculation.proposers.mtp import head_window, open_mtp
 
     if request.param == "trained":
         if not HEAD.exists():
@@ -143,7 +143,7 @@ def mtp_engine_parts(request):
 
 
 def _generate(engine, prompt, policy):
-    from homespec.engine import GenerationStats
+    from homespec.speculation.engine import GenerationStats
 
     engine.target.reset()
     st = GenerationStats()
@@ -158,7 +158,7 @@ def _generate(engine, prompt, policy):
 @pytest.mark.integration
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_mtp_speculation_matches_plain_decoding_except_at_near_ties(mtp_engine_parts, epsilon, k):
-    from homespec.engine import Engine, FixedPolicy
+    from homespec.speculation.engine import Engine, FixedPolicy
 
     rt, prop, trained = mtp_engine_parts
     rec = Recording(rt)

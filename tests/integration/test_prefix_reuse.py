@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from homespec.llama.template import ChatTemplate
-from homespec.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.llama.runtime import common_prefix
 from tests.integration.exactness import Recording, first_divergence, margin

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from homespec.config import ControllerConfig
-from homespec.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
-from homespec.engine import PLAIN, StepStats
-from homespec.proposers.ngram import Match
+from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
+from homespec.speculation.engine import PLAIN, StepStats
+from homespec.speculation.proposers.ngram import Match
 
 K_MAX = 16
 
@@ -229,7 +229,7 @@ def test_sampled_and_greedy_requests_learn_acceptance_separately():
 
 
 def test_fixed_mode_steps_still_teach_the_controller():
-    from homespec.controller import make_policy
+    from homespec.speculation.controller import make_policy
 
     m = Machine(cpu_cost, {"ngram": 1.0})
     c = m.controller(proposers=("ngram",))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.engine import Engine, FixedPolicy, GenerationStats, PromptTooLong
-from homespec.proposers.draft import DraftProposer
-from homespec.proposers.ngram import NgramProposer
-from homespec.sampling import SamplingParams
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats, PromptTooLong
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.speculation.sampling import SamplingParams
 
 from .fakes import FakeRuntime
 

@@ -15,12 +15,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from homespec.engine import Engine, FixedPolicy, GenerationStats  # noqa: E402
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats  # noqa: E402
 from homespec.mtp.collect import HELDOUT_PROMPTS, TRAIN_PROMPTS, Record, save_record, top_k  # noqa: E402
 from homespec.mtp.model import HeadConfig, HeadRunner, MTPHead  # noqa: E402
 from homespec.mtp.train import Batches, Data, choose_vocab, head_loss, load_data  # noqa: E402
-from homespec.proposers.mtp import MTPProposer  # noqa: E402
-from homespec.sampling import SamplingParams  # noqa: E402
+from homespec.speculation.proposers.mtp import MTPProposer  # noqa: E402
+from homespec.speculation.sampling import SamplingParams  # noqa: E402
 from tests.unit.fakes import FakeRuntime  # noqa: E402
 
 D, VOCAB = 32, 64
@@ -374,7 +374,7 @@ def test_proposing_twice_for_the_same_context_gives_the_same_draft():
 
 
 def test_the_controller_chooses_mtp_when_its_measured_cost_and_acceptance_pay():
-    from homespec.controller import Controller
+    from homespec.speculation.controller import Controller
 
     c = Controller(["mtp"], k_max=4)
     c.cost.set_verify({1: 0.056, 2: 0.095, 4: 0.148, 5: 0.18})  # DESIGN.md's 2-core figures
@@ -420,7 +420,7 @@ def test_train_writes_a_checkpoint_that_serves_as_a_proposer_and_resumes(tmp_pat
     from homespec.mtp.model import load_head, meta_path
     from homespec.mtp.train import TrainConfig, read_meta, train
     from homespec.mtp.weights import TargetWeights
-    from homespec.proposers.mtp import head_window, open_mtp
+    from homespec.speculation.proposers.mtp import head_window, open_mtp
 
     target = tmp_path / "tiny.gguf"
     write_tiny_target(target)

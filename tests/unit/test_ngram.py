@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from homespec.proposers.ngram import MATCH_CAP, NgramIndex, NgramProposer
-from homespec.sampling import SamplingParams
+from homespec.speculation.proposers.ngram import MATCH_CAP, NgramIndex, NgramProposer
+from homespec.speculation.sampling import SamplingParams
 
 
 def _got(m):

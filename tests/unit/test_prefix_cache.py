@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from homespec.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 from homespec.llama.prefix_cache import PrefixCache
 
 from .fakes import FakeRuntime

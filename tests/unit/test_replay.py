@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from homespec.config import ControllerConfig
-from homespec.controller import Controller
-from homespec.engine import FixedPolicy
-from homespec.proposers.ngram import NgramProposer
-from homespec.replay import Recording, compare, load_recordings, pass_cost, replay
+from homespec.speculation.controller import Controller
+from homespec.speculation.engine import FixedPolicy
+from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.speculation.replay import Recording, compare, load_recordings, pass_cost, replay
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 K_MAX = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.sampling import SamplingParams, choose, penalize, probabilities, sample, target_view
+from homespec.speculation.sampling import SamplingParams, choose, penalize, probabilities, sample, target_view
 
 
 def test_temperature_zero_is_argmax_point_mass():

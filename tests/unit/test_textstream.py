@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from homespec.textstream import TextStream
+from homespec.speculation.textstream import TextStream
 
 PIECES = {0: b"Hello", 1: b" wor", 2: b"ld", 3: b"\n\n", 4: b"END", 5: b"\xe2\x82", 6: b"\xac", 7: b"E", 8: b"N", 9: b"D!"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.verify import greedy_verify, rejection_verify
+from homespec.speculation.verify import greedy_verify, rejection_verify
 
 
 @pytest.mark.parametrize(

@@ -35,9 +35,9 @@ from typing import Sequence
 import numpy as np
 
 from homespec.errors import ModelError
-from homespec.proposers.base import Proposal
+from homespec.speculation.proposers.base import Proposal
 from homespec.llama.runtime import common_prefix
-from homespec.sampling import SamplingParams, penalize, probabilities, sample, window
+from homespec.speculation.sampling import SamplingParams, penalize, probabilities, sample, window
 
 
 class MTPProposer:

@@ -18,12 +18,12 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from homespec.controller import Controller
-from homespec.engine import PLAIN, FixedPolicy, SpeculationPolicy, StepStats, StepTally
-from homespec.estimates import CostModel
-from homespec.proposers.ngram import NgramProposer
-from homespec.sampling import SamplingParams
-from homespec.verify import greedy_verify
+from homespec.speculation.controller import Controller
+from homespec.speculation.engine import PLAIN, FixedPolicy, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.costs import CostModel
+from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.speculation.sampling import SamplingParams
+from homespec.speculation.verify import greedy_verify
 
 _GREEDY = SamplingParams(temperature=0.0)
 

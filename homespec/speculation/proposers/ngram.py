@@ -24,8 +24,8 @@ from typing import Sequence
 
 import numpy as np
 
-from homespec.proposers.base import Proposal
-from homespec.sampling import SamplingParams
+from homespec.speculation.proposers.base import Proposal
+from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
 MATCH_CAP = 32

@@ -51,9 +51,9 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from homespec.config import ControllerConfig
-from homespec.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, StepStats
-from homespec.estimates import AcceptanceModel, CostModel, expected_emitted
-from homespec.proposers.ngram import MATCH_CAP, Match
+from homespec.speculation.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, StepStats
+from homespec.speculation.costs import AcceptanceModel, CostModel, expected_emitted
+from homespec.speculation.proposers.ngram import MATCH_CAP, Match
 
 # Share of recent generation time that probing unprofitable proposers may cost at most, over
 # an exponential window of BUDGET_WINDOW steps (~50 s of generation on 2 cores).

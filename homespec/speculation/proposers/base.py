@@ -14,7 +14,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from homespec.sampling import SamplingParams
+from homespec.speculation.sampling import SamplingParams
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from homespec.sampling import sample
+from homespec.speculation.sampling import sample
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from typing import Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from homespec.proposers.base import Proposal, Proposer
+from homespec.speculation.proposers.base import Proposal, Proposer
 from homespec.llama.runtime import Runtime, common_prefix
-from homespec.sampling import SamplingParams, choose, make_rng, target_view, window
-from homespec.textstream import TextStream
-from homespec.verify import Verdict, greedy_verify, rejection_verify
+from homespec.speculation.sampling import SamplingParams, choose, make_rng, target_view, window
+from homespec.speculation.textstream import TextStream
+from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify
 
 PLAIN = "none"  # proposer name of a k = 0 step
 

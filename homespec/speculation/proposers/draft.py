@@ -18,9 +18,9 @@ from typing import Sequence
 
 import numpy as np
 
-from homespec.proposers.base import Proposal
+from homespec.speculation.proposers.base import Proposal
 from homespec.llama.runtime import Runtime, common_prefix
-from homespec.sampling import SamplingParams, penalize, probabilities, sample, window
+from homespec.speculation.sampling import SamplingParams, penalize, probabilities, sample, window
 
 
 class DraftProposer:
