@@ -23,11 +23,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from homespec.bench import default_arms, load_workloads, parse_arms, run_bench
+    from homespec.serving.bench import default_arms, load_workloads, parse_arms, run_bench
     from homespec.config import load_config
     from homespec.models.loader import runtime_options
     from homespec.llama.runtime import ReferenceDecoder
-    from homespec.session import Session
+    from homespec.serving.host import Session
 
     cfg = load_config(config_path(args.config))
     max_tokens = args.max_tokens or (48 if args.quick else 128)

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config
-    from homespec.session import Session, request_from_args
+    from homespec.serving.host import Session, request_from_args
 
     cfg = load_config(config_path(args.config))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -59,9 +59,9 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from homespec.config import load_config
-    from homespec.daemon import Daemon
-    from homespec.server import create_app
-    from homespec.service import SystemdNotifier
+    from homespec.serving.daemon import Daemon
+    from homespec.serving.app import create_app
+    from homespec.serving.systemd import SystemdNotifier
 
     log = logging.getLogger("homespec.serve")
     cfg = load_config(config_path(args.config))

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="service_command", metavar="ACTION", required=True)
     inst = sub.add_parser(
         "install",
-        help="write homespec.service for this checkout and print the systemctl commands",
+        help="write homespec.serving.systemd for this checkout and print the systemctl commands",
         description="Render a systemd unit that runs `homespec serve --config PATH` from this "
         "install's venv, and write it to /etc/systemd/system (root) or, with --user, to "
         "~/.config/systemd/user.",
@@ -65,7 +65,7 @@ def _unreadable_ancestor(path: Path, uid: int | None) -> Path | None:
 def _service_uid() -> int | None:
     import pwd
 
-    from homespec.service import SERVICE_USER
+    from homespec.serving.systemd import SERVICE_USER
 
     try:
         return pwd.getpwnam(SERVICE_USER).pw_uid
@@ -76,7 +76,7 @@ def _service_uid() -> int | None:
 def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config
     from homespec.errors import UserError
-    from homespec.service import SERVICE_USER, SYSTEM_STATE_DIR, default_unit_path, install_unit, render_unit
+    from homespec.serving.systemd import SERVICE_USER, SYSTEM_STATE_DIR, default_unit_path, install_unit, render_unit
 
     if args.service_command != "install":  # argparse allows only `install`; kept for new actions
         raise UserError(f"unknown action {args.service_command}")

@@ -32,7 +32,7 @@ from homespec.dashboard.widgets import (
     SpeedPlot,
     SpeedupDigits,
 )
-from homespec.stats_schema import StatsView
+from homespec.serving.stats_schema import StatsView
 
 POLL_S = 1.0  # the issue asks for every panel to update at least once a second
 

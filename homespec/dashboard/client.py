@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 from pydantic import ValidationError
 
-from homespec.stats_schema import StatsView
+from homespec.serving.stats_schema import StatsView
 
 DEFAULT_URL = "http://127.0.0.1:8321"
 # Short: the app polls every second and must notice a dead daemon within a couple of polls,

@@ -21,7 +21,7 @@ from textual.screen import ModalScreen
 from textual.widget import Widget
 from textual.widgets import DataTable, Digits, Static
 
-from homespec.stats_schema import SpeculationView, StatsView
+from homespec.serving.stats_schema import SpeculationView, StatsView
 
 # Speedup bands. Within ±5 % of plain decoding the difference is run-to-run noise on a busy home
 # server, so it is "even" (amber), not a win or a loss.

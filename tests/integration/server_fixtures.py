@@ -30,8 +30,8 @@ from homespec.config import (
     ServerConfig,
     SpeculationConfig,
 )
-from homespec.daemon import Daemon
-from homespec.server import create_app
+from homespec.serving.daemon import Daemon
+from homespec.serving.app import create_app
 from tests.conftest import DRAFT, ROOT, TARGET, require
 
 API_KEY = "test-key-0123456789"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from homespec.bench import Workload, parse_arms, run_bench
+from homespec.serving.bench import Workload, parse_arms, run_bench
 from homespec.cli.bench import format_report
 from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, SpeculationConfig
 from homespec.models.loader import runtime_options
 from homespec.llama.runtime import ReferenceDecoder
-from homespec.session import Session
+from homespec.serving.host import Session
 from tests.conftest import ROOT, TARGET, require
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ import pytest
 
 from homespec.dashboard.app import DashboardApp
 from homespec.dashboard.widgets import Banner, HeaderBar, RequestTable, SpeedupDigits
-from homespec.server import create_app
+from homespec.serving.app import create_app
 from tests.integration.server_fixtures import Served, ThreadServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

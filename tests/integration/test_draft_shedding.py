@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
-from homespec.session import GenerationRequest, Session, UnknownMode
+from homespec.serving.host import GenerationRequest, Session, UnknownMode
 from tests.conftest import DRAFT, ROOT, TARGET, require
 
 pytestmark = pytest.mark.integration

@@ -108,7 +108,7 @@ def untrained_head(tmp_path_factory):
 def test_a_configured_head_is_served_with_the_hidden_window_and_its_cost_calibrated(untrained_head):
     from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
     from homespec.speculation.proposers.mtp import head_window
-    from homespec.session import GenerationRequest, Session
+    from homespec.serving.host import GenerationRequest, Session
 
     cfg = Config(
         models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None, mtp=untrained_head),

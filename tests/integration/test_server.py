@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from homespec.stats_schema import StatsView
+from homespec.serving.stats_schema import StatsView
 from tests.integration.server_fixtures import API_KEY, MAX_BODY, N_CTX, QUEUE_DEPTH, Served, wait_for
 
 pytestmark = pytest.mark.integration

@@ -32,7 +32,7 @@ from homespec.dashboard.app import DashboardApp, next_mode
 from homespec.dashboard.client import DaemonClient, ProtocolError, Unauthorized, Unreachable
 from homespec.dashboard.widgets import Banner, HeaderBar, HelpScreen, Link, RequestTable, SpeedupDigits, speedup_class
 from homespec.errors import UserError
-from homespec.stats_schema import RequestRecord, SpeedPoint, StatsView
+from homespec.serving.stats_schema import RequestRecord, SpeedPoint, StatsView
 
 SNAPSHOTS = Path(__file__).resolve().parent.parent / "snapshots"
 SIZE = (100, 30)  # the terminal the "done when" names

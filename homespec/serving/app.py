@@ -25,14 +25,14 @@ from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from homespec import openai_api as oa
-from homespec.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
+from homespec.serving import openai_api as oa
+from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 from homespec.errors import UserError
 from homespec.speculation.sampling import SamplingParams
-from homespec.session import GenerationRequest
-from homespec.stats_view import build_stats_view
+from homespec.serving.host import GenerationRequest
+from homespec.serving.stats_view import build_stats_view
 
-log = logging.getLogger("homespec.server")
+log = logging.getLogger("homespec.serving.app")
 
 OPEN_PATHS = ("/health", "/ready", "/docs", "/openapi.json")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from homespec.speculation.engine import PLAIN, GenerationStats, StepStats, StepTally
-from homespec.stats_schema import RequestRecord, SpeedPoint
+from homespec.serving.stats_schema import RequestRecord, SpeedPoint
 
 STEP_WINDOW = 256  # steps in the rolling acceptance / timing window
 REQUEST_WINDOW = 20  # recent requests shown

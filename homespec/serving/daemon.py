@@ -28,11 +28,11 @@ from homespec.models.memory import LoadPlan, pair_footprints, plan_load, read_he
 from homespec.models.memory_watch import HeadroomWatcher
 from homespec.models.fetch import resolve_model_path
 from homespec.speculation.proposers.mtp import head_ram
-from homespec.session import GenerationRequest, Session
-from homespec.stats import LiveStats, Metrics
-from homespec.stats_schema import DaemonState, RequestRecord
+from homespec.serving.host import GenerationRequest, Session
+from homespec.serving.stats import LiveStats, Metrics
+from homespec.serving.stats_schema import DaemonState, RequestRecord
 
-log = logging.getLogger("homespec.daemon")
+log = logging.getLogger("homespec.serving.daemon")
 
 MODES = ("auto", "ngram", "draft", "mtp", "off")  # the order the dashboard cycles through
 

@@ -25,7 +25,7 @@ from homespec.speculation.controller import Controller
 from homespec.speculation.costs import expected_emitted
 from homespec.speculation.engine import FixedPolicy, GenerationStats, StepStats, StepTally
 from homespec.speculation.sampling import SamplingParams
-from homespec.session import Session
+from homespec.serving.host import Session
 
 WORKLOADS = ("code", "edit", "chat")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import psutil
 
-from homespec.daemon import Daemon
-from homespec.stats_schema import (
+from homespec.serving.daemon import Daemon
+from homespec.serving.stats_schema import (
     DeviceView,
     MemoryView,
     ModelInfo,

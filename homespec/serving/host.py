@@ -26,7 +26,7 @@ from homespec.speculation.sampling import SamplingParams
 
 _GREEDY = SamplingParams()
 
-log = logging.getLogger("homespec.session")
+log = logging.getLogger("homespec.serving.host")
 
 # A short chat-like context for timing passes: realistic positions, nothing cached from it.
 _WARMUP_TEXT = (
