@@ -8,15 +8,33 @@ the bad field, so the CLI can print one line instead of a traceback.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from homespec.errors import UserError
 
-SpeculationMode = Literal["auto", "draft", "ngram", "mtp", "off"]
+
+class Mode(str, Enum):
+    """How a request speculates; declared once here (config, CLI flags, the API and stats use it).
+    OFF is k = 0 (plain decoding) wherever it appears; a proposer's mode is its name."""
+
+    # In the order the dashboard's `m` key cycles through: cheapest proposer first, off last.
+    AUTO = "auto"  # the controller picks proposer and k (k = 0 included) from measurements
+    NGRAM = "ngram"
+    DRAFT = "draft"
+    MTP = "mtp"
+    OFF = "off"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 
 class ConfigError(UserError):
@@ -38,7 +56,7 @@ class ModelRef(_Strict):
     )
 
     @model_validator(mode="after")
-    def _name_or_path(self) -> "ModelRef":
+    def _name_or_path(self) -> ModelRef:
         if self.name is None and self.path is None:
             raise ValueError("give `name` (registry) or `path` (local GGUF)")
         return self
@@ -89,7 +107,7 @@ class NgramConfig(_Strict):
     n_max: int = Field(12, ge=1, le=32, description="Longest suffix n-gram to look up")
 
     @model_validator(mode="after")
-    def _ordered(self) -> "NgramConfig":
+    def _ordered(self) -> NgramConfig:
         if self.n_min > self.n_max:
             raise ValueError(f"n_min ({self.n_min}) must be <= n_max ({self.n_max})")
         return self
@@ -114,9 +132,9 @@ class ControllerConfig(_Strict):
 
 
 class SpeculationConfig(_Strict):
-    mode: SpeculationMode = Field("auto", description="auto picks proposer and k from measurements")
+    mode: Mode = Field(Mode.AUTO, description="auto picks proposer and k from measurements; off = k 0")
     # Used by the fixed modes (draft, ngram, mtp).
-    k: int = Field(4, ge=0, le=64, description="Draft length in fixed modes")
+    k: int = Field(4, ge=0, le=64, description="Draft length in the fixed modes (0 = off)")
     # 16: a pass over 17 tokens costs ~9x one pass on a 2-core CPU; longer drafts only pay with
     # near-perfect copying. GPUs, with flat verify cost, can raise it.
     k_max: int = Field(16, ge=1, le=64, description="Largest k the controller may choose")
@@ -126,20 +144,22 @@ class SpeculationConfig(_Strict):
 
 class SamplingDefaults(_Strict):
     # Greedy by default: reproducible answers, and the exactness guarantee is easiest to audit.
-    temperature: float = Field(0.0, ge=0, le=5)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 = off")
-    min_p: float = Field(0.0, ge=0, le=1)
+    temperature: float = Field(0.0, ge=0, le=5, description="Sampling temperature, 0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, 1 = off")
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens, 0 = off")
+    min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability, 0 = off")
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # No fixed seed: each sampled request draws its own; set one to make sampling repeatable.
+    seed: int | None = Field(None, ge=0, description="Random seed for sampling (null = fresh per request)")
     max_tokens: int = Field(512, ge=1, description="Default completion length")
 
 
 class ServerConfig(_Strict):
     host: str = Field("127.0.0.1", description="Bind address; loopback by default")
     # 8321: unassigned by IANA, not a common dev port (8000/8080/11434 are often taken).
-    port: int = Field(8321, ge=1, le=65535)
+    port: int = Field(8321, ge=1, le=65535, description="TCP port of the API")
     api_key: str | None = Field(None, description="Bearer key required on every /v1 request")
     api_key_file: Path | None = Field(None, description="File holding the API key (first line)")
     # A daemon that answers anyone on the LAN without a key is a footgun: opt in explicitly.
@@ -188,6 +208,18 @@ class Config(_Strict):
         """A config path made absolute against the config file's folder."""
         p = Path(os.path.expanduser(p))
         return p if p.is_absolute() else (self.base_dir / p)
+
+
+def override(section: BaseModel, values: Mapping[str, Any], prefix: str = "") -> None:
+    """Set the values a caller gave (None: not given) on a config section, within each field's
+    bounds (validate_assignment); a bad one raises ConfigError naming `prefix` + the field."""
+    for name, value in values.items():
+        if value is None:
+            continue
+        try:
+            setattr(section, name, value)
+        except ValidationError as e:
+            raise ConfigError(f"{prefix}{name}: {e.errors()[0]['msg']}") from None
 
 
 def _format_error(err: ValidationError, source: str) -> str:

@@ -5,7 +5,7 @@
     .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json]
 
 record: greedy outputs of the bench's prompts (or of M.json: {workload: [[chat messages]]}), with
-the target model. replay: auto against fixed ngram arms on those outputs (homespec.replay), each
+the target model. replay: auto against fixed ngram arms on those outputs (homespec.speculation.replay), each
 step priced with the target's pass costs from a bench run's calibration (default: the curve the
 unit tests use, measured on the 2-core development machine).
 """
@@ -17,29 +17,28 @@ import json
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_COSTS = ROOT / "tests" / "data" / "cpu_pass_costs.json"
 
 
 def record(args: argparse.Namespace) -> None:
-    from homespec.bench import load_workloads
     from homespec.config import load_config
-    from homespec.engine import FixedPolicy, GenerationStats
-    from homespec.sampling import SamplingParams
-    from homespec.session import Session
+    from homespec.serving.bench import load_workloads
+    from homespec.serving.host import Host
+    from homespec.speculation.engine import FixedPolicy, GenerationStats
+    from homespec.speculation.sampling import SamplingParams
 
     if args.messages:
         workloads = json.loads(Path(args.messages).read_text())
     else:
         workloads = {w.name: w.prompts for w in load_workloads()}
     out: dict[str, list[dict]] = {}
-    with Session.open(load_config(args.config), calibrate=False, with_draft=False) as s:
+    with Host.open(load_config(args.config), calibrate=False, with_draft=False) as s:
         m = s.models
         for name, prompts in workloads.items():
             for messages in prompts:
                 prompt = m.encode_chat(messages)
-                events = m.engine.generate(prompt, SamplingParams(temperature=0.0), args.max_tokens, (), FixedPolicy(), GenerationStats())
+                events = s.engine.generate(prompt, SamplingParams(temperature=0.0), args.max_tokens, (), FixedPolicy(), GenerationStats())
                 output = [t for ev in events for t in ev.tokens]
                 out.setdefault(name, []).append({"prompt": prompt, "output": output})
                 print(f"{name}: {len(prompt)} prompt tokens, {len(output)} output", file=sys.stderr)
@@ -48,8 +47,8 @@ def record(args: argparse.Namespace) -> None:
 
 def replay(args: argparse.Namespace) -> None:
     from homespec.config import ControllerConfig
-    from homespec.controller import Controller
-    from homespec.replay import compare, load_recordings, pass_cost
+    from homespec.speculation.controller import Controller
+    from homespec.speculation.replay import compare, load_recordings, pass_cost
 
     costs = json.loads(Path(args.costs).read_text())
     costs = costs.get("calibration", {}).get("target", costs)  # a bench report, or {n: seconds}
@@ -60,8 +59,8 @@ def replay(args: argparse.Namespace) -> None:
         for name, recs in load_recordings(Path(f)).items():
             workloads.setdefault(name, []).extend(recs)
 
-    def controller(ngram):  # noqa: ANN001, ANN202
-        c = Controller(["ngram"], ControllerConfig(), k_max=max(samples) - 1, ngram_peek=ngram.match)
+    def controller(ngram):
+        c = Controller([ngram], ControllerConfig(), k_max=max(samples) - 1)
         c.cost.set_verify(samples)
         return c
 

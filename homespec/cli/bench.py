@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
     p.add_argument("--quick", action="store_true", help="one prompt per workload, short outputs (< 3 min)")
     p.add_argument("--workload", action="append", choices=("code", "edit", "chat"), help="repeatable; default: all")
-    p.add_argument("--arms", default=None, help="e.g. 'plain,reference,draft:2,ngram:4,auto' (default: all)")
+    p.add_argument("--arms", default=None, help="e.g. 'off,reference,draft:2,ngram:4,auto' (default: all)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per run (default 128, quick 48)")
     p.add_argument("--prompts", type=positive_int, default=None, help="prompts per workload (default 3, quick 1)")
     p.add_argument("--rounds", type=positive_int, default=1, help="run every prompt this many times (arms in alternating order)")
@@ -23,18 +23,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from homespec.serving.bench import default_arms, load_workloads, parse_arms, run_bench
     from homespec.config import load_config
-    from homespec.models.loader import runtime_options
     from homespec.llama.runtime import ReferenceDecoder
-    from homespec.serving.host import Session
+    from homespec.models.loader import runtime_options
+    from homespec.serving.bench import default_arms, load_workloads, parse_arms, run_bench
+    from homespec.serving.host import Host
 
     cfg = load_config(config_path(args.config))
     max_tokens = args.max_tokens or (48 if args.quick else 128)
     prompts = args.prompts or (1 if args.quick else 3)
     workloads = load_workloads(args.workload or ("code", "edit", "chat"))
-    with Session.open(cfg) as session:
-        names = list(session.models.engine.proposers)
+    with Host.open(cfg) as session:
+        names = session.proposers
         arms = parse_arms(args.arms) if args.arms else default_arms(names, reference=not args.no_reference)
         reference = None
         if any(a.mode == "reference" for a in arms):
@@ -72,7 +72,7 @@ def format_report(report) -> str:  # report: bench.BenchReport
         lines.append(f"draft pass cost: {float(report.calibration['draft']['1']) * 1000:.0f} ms/token")
     header = (
         f"{'arm':<12} {'tok/s':>6} {'speedup':>7} {'exp.':>5} {'acc.rate':>8} {'acc.len':>7} "
-        f"{'TTFT s':>6} {'draft ms':>8} {'verify ms':>9} {'RSS MiB':>7} {'=plain':>6}  chosen"
+        f"{'TTFT s':>6} {'draft ms':>8} {'verify ms':>9} {'RSS MiB':>7} {'=off':>6}  chosen"
     )
     by_wl: dict[str, list] = {}
     for r in report.results:
@@ -82,25 +82,25 @@ def format_report(report) -> str:  # report: bench.BenchReport
         for r in rows:
             ttft = sum(r.ttft_s) / len(r.ttft_s) if r.ttft_s else None
             chosen = ", ".join(f"{k}×{v}" for k, v in sorted(r.tally.by_choice.items(), key=lambda kv: -kv[1])[:4]) if r.arm == "auto" else ""
-            same = f"{r.same_as_plain}/{r.runs}" if r.arm != "plain" else ""
+            same = f"{r.same_as_plain}/{r.runs}" if r.arm != "off" else ""
             tok_s = r.tok_s if r.arm != "llama.cpp" else r.e2e_tok_s
             lines.append(
                 f"{r.arm:<12} {_f(tok_s, '6.2f')} {_f(r.speedup, '6.2f')}{'x' if r.speedup else ' '} {_f(r.expected_gain, '5.2f')} "
                 f"{_f(r.acceptance_rate, '8.2f')} {_f(r.acceptance_length, '7.2f')} {_f(ttft, '6.2f')} "
                 f"{_f(r.draft_ms, '8.1f')} {_f(r.verify_ms, '9.1f')} {r.rss_mib:7.0f} {same:>6}  {chosen}"
             )
-        plain = next((r for r in rows if r.arm == "plain"), None)
+        plain = next((r for r in rows if r.arm == "off"), None)
         ref = next((r for r in rows if r.arm == "llama.cpp"), None)
         if plain and ref and ref.e2e_tok_s:
             lines.append(
-                f"our plain loop vs llama-cpp-python create_completion (end to end): "
+                f"our loop with speculation off vs llama-cpp-python create_completion (end to end): "
                 f"{plain.e2e_tok_s:.2f} / {ref.e2e_tok_s:.2f} = {plain.e2e_tok_s / ref.e2e_tok_s:.3f}x"
             )
     lines += [
         "",
         "tok/s: output tokens after the first per second of decoding (llama.cpp arm: end to end); "
-        "speedup: tok/s ÷ plain tok/s in this run; exp.: gain the cost model predicts from the "
+        "speedup: tok/s ÷ the off arm's (k = 0, plain decoding) tok/s in this run; exp.: gain the cost model predicts from the "
         "acceptance the arm saw (auto: what the controller expected when choosing); "
-        "=plain: runs whose text equals plain decoding (greedy; near-ties may differ).",
+        "=off: runs whose text equals the off arm's (greedy; near-ties may differ).",
     ]
     return "\n".join(lines)

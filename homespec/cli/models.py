@@ -161,9 +161,8 @@ def _verify(args, cfg, registry, models_dir) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from homespec.models.registry import load_registry
-
     from homespec.config import load_config
+    from homespec.models.registry import load_registry
 
     cfg = load_config(config_path(args.config))
     models_dir = cfg.resolve(cfg.models.dir)

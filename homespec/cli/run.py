@@ -10,6 +10,7 @@ from homespec.cli.common import (
     add_sampling_arguments,
     add_speculation_arguments,
     config_path,
+    request_from_args,
 )
 
 
@@ -24,12 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config
-    from homespec.serving.host import Session, request_from_args
+    from homespec.serving.host import Host
 
     cfg = load_config(config_path(args.config))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    with Session.open(cfg, calibrate=(args.mode or cfg.speculation.mode) == "auto") as session:
-        req = request_from_args(cfg, args)
+    req = request_from_args(cfg, args)  # a bad flag is refused before any model loads
+    with Host.open(cfg, calibrate=req.mode == "auto") as session:
         if args.raw:
             tokens = session.models.encode_text(prompt)
         else:

@@ -7,14 +7,14 @@ import ipaddress
 import os
 from pathlib import Path
 
-from homespec.cli.common import add_config_argument, config_path
+from homespec.cli.common import add_config_argument, add_config_flags, config_path
+from homespec.config import ServerConfig
 from homespec.errors import UserError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
-    p.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="port (default from config: 8321)")
+    add_config_flags(p, ServerConfig, ("host", "port"))
 
 
 def resolve_api_key(cfg) -> str | None:  # cfg: homespec.config.Config
@@ -58,17 +58,14 @@ def main(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from homespec.config import load_config
-    from homespec.serving.daemon import Daemon
+    from homespec.config import load_config, override
     from homespec.serving.app import create_app
+    from homespec.serving.daemon import Daemon
     from homespec.serving.systemd import SystemdNotifier
 
     log = logging.getLogger("homespec.serve")
     cfg = load_config(config_path(args.config))
-    if args.host:
-        cfg.server.host = args.host
-    if args.port:
-        cfg.server.port = args.port
+    override(cfg.server, {"host": args.host, "port": args.port}, "--")
     api_key = resolve_api_key(cfg)
     check_bind(cfg.server.host, api_key, cfg.server.allow_unauthenticated_remote)
     # Fail fast on missing models, before binding the port (the worker would only log it).
@@ -115,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         )
     )
 
-    def handle_exit(sig: int, frame) -> None:  # noqa: ANN001 - signal handler
+    def handle_exit(sig: int, frame) -> None:
         # SIGTERM/SIGINT: stop taking work first (queued requests get 503), then let uvicorn stop
         # listening and wait for in-flight streams up to drain_timeout_s.
         # uvicorn's own handler is not called on purpose: it records the signal and raises it

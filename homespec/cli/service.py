@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="service_command", metavar="ACTION", required=True)
     inst = sub.add_parser(
         "install",
-        help="write homespec.serving.systemd for this checkout and print the systemctl commands",
+        help="write homespec.service for this checkout and print the systemctl commands",
         description="Render a systemd unit that runs `homespec serve --config PATH` from this "
         "install's venv, and write it to /etc/systemd/system (root) or, with --user, to "
         "~/.config/systemd/user.",

@@ -18,10 +18,13 @@ import argparse
 import importlib.util
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from homespec.cli.common import add_config_argument, config_path
+
+if TYPE_CHECKING:
+    from homespec.speculation.engine import StepTally
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,8 +84,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _collect(args: argparse.Namespace, cfg, target: Path, data: Path, kinds: tuple[str, ...]) -> None:
     from homespec.errors import UserError
-    from homespec.mtp.collect import chunk_paths, collect
     from homespec.llama.runtime import Runtime, RuntimeOptions
+    from homespec.mtp.collect import chunk_paths, collect
 
     existing = [p for p in chunk_paths(data) if p.stem.split("-")[0] in kinds] if data.exists() else []
     if existing and not (args.resume or args.fresh):
@@ -117,43 +120,27 @@ def _validate(args: argparse.Namespace, cfg, target: Path, out: Path) -> None:
     from homespec.mtp.collect import HELDOUT_PROMPTS
 
     print(f"validate: {out.name} on {len(HELDOUT_PROMPTS)} held-out code prompts, greedy, k={args.k}", file=sys.stderr)
-    report = measure_acceptance(target, out, HELDOUT_PROMPTS, k=args.k, max_tokens=args.max_tokens, threads=args.threads)
-    print(report.format(), file=sys.stderr)
+    tally, tokens = measure_acceptance(target, out, HELDOUT_PROMPTS, k=args.k, max_tokens=args.max_tokens, threads=args.threads)
+    print(format_acceptance(tally, tokens, args.k), file=sys.stderr)
 
 
-@dataclass
-class AcceptanceReport:
-    """Greedy acceptance per draft position, measured through the engine."""
-
-    k: int
-    tries: list[int]  # [k] steps that tested position i (all before it accepted)
-    hits: list[int]  # [k] of those, accepted
-    steps: int = 0
-    tokens: int = 0  # output tokens
-    proposed: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-
-    def conditional(self) -> list[float | None]:
-        """a_i = P(position i accepted | positions < i accepted)."""
-        return [h / t if t else None for h, t in zip(self.hits, self.tries)]
-
-    def absolute(self) -> list[float]:
-        """P(position i accepted) per step: what a step with k >= i gains at position i."""
-        return [h / self.steps if self.steps else 0.0 for h in self.hits]
-
-    def format(self) -> str:
-        f = lambda x: "   —" if x is None else f"{x:.3f}"  # noqa: E731 - table cell
-        lines = [
-            "  position      " + " ".join(f"{i + 1:>6}" for i in range(self.k)),
-            "  a_i (cond.)   " + " ".join(f"{f(x):>6}" for x in self.conditional()),
-            "  P(accepted)   " + " ".join(f"{f(x):>6}" for x in self.absolute()),
-            "  tested        " + " ".join(f"{t:>6}" for t in self.tries),
-            f"  {self.steps} steps, {self.tokens} tokens, acceptance length {(sum(self.hits) + self.steps) / max(self.steps, 1):.2f}, "
-            f"draft {self.draft_s * 1000 / max(self.proposed, 1):.1f} ms per proposed token, "
-            f"verify {self.verify_s * 1000 / max(self.steps, 1):.0f} ms per step",
-        ]
-        return "\n".join(lines)
+def format_acceptance(tally: StepTally, tokens: int, k: int) -> str:
+    """Greedy acceptance per draft position, as StepTally summed it over the validation run."""
+    f = lambda x: "   —" if x is None else f"{x:.3f}"  # noqa: E731 - table cell
+    tries = tally.pos_tries + [0] * (k - len(tally.pos_tries))  # [k] steps that reached position i
+    hits = tally.pos_hits + [0] * (k - len(tally.pos_hits))  # [k] of those, accepted
+    conditional = [h / n if n else None for h, n in zip(hits, tries)]  # a_i
+    absolute = [h / tally.steps if tally.steps else 0.0 for h in hits]  # what a step gains at position i
+    lines = [
+        "  position      " + " ".join(f"{i + 1:>6}" for i in range(k)),
+        "  a_i (cond.)   " + " ".join(f"{f(x):>6}" for x in conditional),
+        "  P(accepted)   " + " ".join(f"{f(x):>6}" for x in absolute),
+        "  tested        " + " ".join(f"{n:>6}" for n in tries),
+        f"  {tally.steps} steps, {tokens} tokens, acceptance length {tally.acceptance_length or 0:.2f}, "
+        f"draft {tally.draft_s * 1000 / max(tally.proposed, 1):.1f} ms per proposed token, "
+        f"verify {tally.verify_s * 1000 / max(tally.steps, 1):.0f} ms per step",
+    ]
+    return "\n".join(lines)
 
 
 def chat_tokens(rt, user: str, system: str | None) -> list[int]:
@@ -164,32 +151,25 @@ def chat_tokens(rt, user: str, system: str | None) -> list[int]:
 
 
 def measure_acceptance(target: Path, head: Path, prompts: list[str], *, k: int = 4, max_tokens: int = 128,
-                       threads: int | None = None) -> AcceptanceReport:
-    """Greedy generation with FixedPolicy("mtp", k) on each prompt; per-position outcomes."""
-    from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
-    from homespec.mtp.collect import CODE_SYSTEM
-    from homespec.speculation.proposers.mtp import head_window, open_mtp
+                       threads: int | None = None) -> tuple[StepTally, int]:
+    """Greedy generation with the head at a fixed k on each prompt: (the steps, output tokens)."""
     from homespec.llama.runtime import Runtime, RuntimeOptions
+    from homespec.mtp.checkpoint import head_window, open_head
+    from homespec.mtp.collect import CODE_SYSTEM
+    from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats, StepTally
+    from homespec.speculation.proposers.mtp import MTPProposer
 
     rt = Runtime(target, RuntimeOptions(n_ctx=2048, n_threads=threads, hidden_window=head_window(head)))
     try:
-        engine = Engine(rt, {"mtp": open_mtp(rt, head, target, threads=threads)})
-        rep = AcceptanceReport(k, [0] * k, [0] * k)
+        policy = FixedPolicy(MTPProposer(rt, open_head(rt, head, target, threads=threads)), k)
+        engine, tally, tokens = Engine(rt), StepTally(), 0
         for text in prompts:
             rt.reset()
             st = GenerationStats()
-            for ev in engine.generate(chat_tokens(rt, text, CODE_SYSTEM), max_tokens=max_tokens,
-                                      policy=FixedPolicy("mtp", k), stats=st):
-                if ev.step is None:
-                    continue
-                for i, ok in enumerate(ev.step.outcomes):
-                    rep.tries[i] += 1
-                    rep.hits[i] += bool(ok)
-            rep.steps += st.steps
-            rep.proposed += st.proposed
-            rep.tokens += st.completion_tokens
-            rep.draft_s += st.draft_s
-            rep.verify_s += st.verify_s
-        return rep
+            for ev in engine.generate(chat_tokens(rt, text, CODE_SYSTEM), max_tokens=max_tokens, policy=policy, stats=st):
+                if ev.step is not None:
+                    tally.add(ev.step)
+            tokens += st.completion_tokens
+        return tally, tokens
     finally:
         rt.close()

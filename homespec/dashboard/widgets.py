@@ -238,7 +238,7 @@ class SpeculationBox(Widget):
         if self.stats is None:
             return Text("–", style="dim")
         sp, w = self.stats.speculation, self.size.width
-        now = "plain decoding" if sp.k == 0 or sp.proposer == "none" else f"{sp.proposer} k={sp.k}"
+        now = "off (plain decoding)" if sp.k == 0 or sp.proposer == "off" else f"{sp.proposer} k={sp.k}"
         rate = sp.acceptance_rate
         lines = [
             _row("mode ", (sp.mode, "bold"), " → now ", (now, "bold")),

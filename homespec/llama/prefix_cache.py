@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
-from homespec.llama.runtime import common_prefix
+from homespec.tokens import common_prefix
 
 log = logging.getLogger("homespec.llama.prefix_cache")
 

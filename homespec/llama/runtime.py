@@ -21,15 +21,16 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
-
-import numpy as np
+from typing import Literal
 
 import llama_cpp
+import numpy as np
 
 from homespec.errors import ModelError
+from homespec.tokens import common_prefix
 
 log = logging.getLogger("homespec.llama.runtime")
 _llama_log = logging.getLogger("homespec.llama_cpp")
@@ -391,7 +392,7 @@ class Runtime:
         except Exception:
             pass
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -404,21 +405,6 @@ class ContextFull(Exception):
     def __init__(self, needed: int, n_ctx: int) -> None:
         super().__init__(f"context full: {needed} tokens needed, n_ctx is {n_ctx}")
         self.needed, self.n_ctx = needed, n_ctx
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo], a[:hi] != b[:hi]; slices compare in C
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class ReferenceDecoder:

@@ -1,27 +1,28 @@
-"""Load what config.yaml describes: the target, the proposers, the chat template, the engine.
+"""Load the models config.yaml describes: the target, the draft, the MTP head, the chat template.
 
-This is where the pieces meet (CLI `run`/`bench` and the daemon all start here): resolve model
-paths, refuse a draft whose tokenizer differs from the target's, open the runtimes, and build
-the proposers the configuration allows.
+Resolve model paths, refuse a draft whose tokenizer differs from the target's, open the runtimes
+and the head. Loading knows nothing of the step: serving/host.py builds the proposers, the
+controller and the engine over what is loaded here.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from homespec.llama.template import ChatTemplate
 from homespec.config import Config
-from homespec.speculation.engine import Engine
 from homespec.llama.gguf_info import check_tokenizer_compat
-from homespec.models.fetch import resolve_model_path
-from homespec.speculation.proposers.draft import DraftProposer
-from homespec.speculation.proposers.ngram import NgramProposer
-from homespec.speculation.proposers.mtp import head_window, open_mtp
 from homespec.llama.runtime import Runtime, RuntimeOptions
+from homespec.llama.template import ChatTemplate
+from homespec.models.fetch import resolve_model_path
+from homespec.mtp.checkpoint import head_window, open_head
+
+if TYPE_CHECKING:
+    from homespec.mtp.model import HeadRunner
 
 log = logging.getLogger("homespec.models.loader")
 
@@ -30,13 +31,12 @@ log = logging.getLogger("homespec.models.loader")
 class ModelSet:
     target: Runtime
     draft: Runtime | None
-    engine: Engine
     template: ChatTemplate
     target_path: Path
     draft_path: Path | None
     mtp_path: Path | None = None  # the MTP head's checkpoint, when one is served
+    mtp_head: HeadRunner | None = None  # the head, opened to serve beside the target
     load_s: float = 0.0  # seconds to open all models
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def target_name(self) -> str:
@@ -64,17 +64,15 @@ class ModelSet:
         check_tokenizer_compat(self.target_path, path)  # raises IncompatibleTokenizer
         self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx))
         self.draft_path = path
-        self.engine.proposers["draft"] = DraftProposer(self.draft, self.target.n_vocab)
 
     def unload_draft(self) -> None:
-        prop = self.engine.proposers.pop("draft", None)
-        if prop is not None:
-            prop.close()
+        if self.draft is not None:
+            self.draft.close()
         self.draft = None
 
     def close(self) -> None:
-        for p in self.engine.proposers.values():
-            p.close()
+        self.unload_draft()
+        self.mtp_head = None
         self.target.close()
 
 
@@ -96,7 +94,7 @@ def runtime_options(
 
 
 def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = None) -> ModelSet:
-    """Open the target (and the draft unless told not to) and build the engine."""
+    """Open the target (and the draft unless told not to, and the MTP head when configured)."""
     t0 = time.perf_counter()
     target_path = resolve_model_path(cfg, cfg.models.target)
     if with_draft and cfg.models.draft:
@@ -106,12 +104,10 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
     # The head attends over the target's last `window` hidden states: the target must keep them.
     window = head_window(mtp_path) if mtp_path else 0  # reads the header only: no torch yet
     target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx, hidden_window=window))
-    proposers: dict[str, Any] = {
-        "ngram": NgramProposer(cfg.speculation.ngram.n_min, cfg.speculation.ngram.n_max),
-    }
+    head = None
     if mtp_path:
         try:
-            proposers["mtp"] = open_mtp(target, mtp_path, target_path, threads=target.n_threads)
+            head = open_head(target, mtp_path, target_path, threads=target.n_threads)
         except BaseException:
             target.close()
             raise
@@ -120,7 +116,7 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         bos_token=target.token_text(target.bos_id) if target.bos_id >= 0 else "",
         eos_token="",
     )
-    ms = ModelSet(target, None, Engine(target, proposers), template, target_path, None, mtp_path=mtp_path)
+    ms = ModelSet(target, None, template, target_path, None, mtp_path=mtp_path, mtp_head=head)
     if with_draft:
         ms.load_draft(cfg)
     ms.load_s = time.perf_counter() - t0

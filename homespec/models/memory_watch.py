@@ -9,8 +9,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 from homespec.models.memory import Footprint, Headroom, MiB, fmt_bytes, read_headroom
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ class HeadConfig:
     window: int  # attention span in positions (training window = serving window)
 
     @classmethod
-    def from_target(cls, s: TargetShape, vocab_out: int, window: int, ff: int | None = None) -> "HeadConfig":
+    def from_target(cls, s: TargetShape, vocab_out: int, window: int, ff: int | None = None) -> HeadConfig:
         return cls(s.n_embd, s.n_head, s.n_head_kv, s.head_dim, ff or s.n_ff, vocab_out, s.n_vocab,
                    s.rope_base, s.rms_eps, window)
 
@@ -274,6 +274,10 @@ class HeadRunner:
         self.lm_head = _Linear(head.lm_head, None, int8)  # [V', d]
         self.inv_freq = c.rope_base ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
         self.reset()
+
+    @property
+    def window(self) -> int:
+        return self.cfg.window
 
     def reset(self, pos: int = 0) -> None:
         c = self.cfg

@@ -12,9 +12,9 @@ dims [ne0, ne1] is ne1 rows of ne0 values, which is torch's Linear layout [out, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

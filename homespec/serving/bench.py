@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
-from typing import Callable, Sequence
 
 import numpy as np
 import psutil
 import yaml
 
+from homespec.serving.host import Host
 from homespec.speculation.controller import Controller
 from homespec.speculation.costs import expected_emitted
-from homespec.speculation.engine import FixedPolicy, GenerationStats, StepStats, StepTally
+from homespec.speculation.engine import OFF, Decision, FixedPolicy, GenerationStats, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.sampling import SamplingParams
-from homespec.serving.host import Session
 
 WORKLOADS = ("code", "edit", "chat")
 
@@ -52,12 +53,12 @@ def load_workloads(names: Sequence[str] = WORKLOADS) -> list[Workload]:
 @dataclass(frozen=True)
 class Arm:
     name: str
-    mode: str  # off | draft | ngram | mtp | auto | reference
+    mode: str  # a Mode (off, auto, a proposer) or "reference" (llama-cpp-python's own loop)
     k: int = 0
 
 
 def default_arms(proposers: Sequence[str], reference: bool = True) -> list[Arm]:
-    arms = [Arm("plain", "off")]
+    arms = [Arm("off", "off")]
     if reference:
         arms.append(Arm("llama.cpp", "reference"))
     if "draft" in proposers:
@@ -70,12 +71,12 @@ def default_arms(proposers: Sequence[str], reference: bool = True) -> list[Arm]:
 
 
 def parse_arms(spec: str) -> list[Arm]:
-    """'plain,draft:2,ngram:4,auto,reference' -> arms."""
+    """'off,draft:2,ngram:4,auto,reference' -> arms."""
     arms = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         mode, _, k = item.partition(":")
-        mode = {"plain": "off", "llama.cpp": "reference"}.get(mode, mode)
-        name = {"off": "plain", "reference": "llama.cpp", "auto": "auto"}.get(mode, f"{mode} k={k}")
+        mode = {"llama.cpp": "reference"}.get(mode, mode)
+        name = {"off": "off", "reference": "llama.cpp", "auto": "auto"}.get(mode, f"{mode} k={k}")
         arms.append(Arm(name, mode, int(k) if k else 0))
     return arms
 
@@ -144,8 +145,8 @@ class ArmResult:
 class _Recorder(FixedPolicy):
     """A fixed policy that keeps the steps, for per-arm statistics."""
 
-    def __init__(self, mode: str, k: int, steps: list[StepStats]) -> None:
-        super().__init__("none" if mode == "off" else mode, k)
+    def __init__(self, proposer: Proposer | None, k: int, steps: list[StepStats]) -> None:
+        super().__init__(proposer, k)
         self.steps = steps
 
     def observe(self, step: StepStats) -> None:
@@ -158,15 +159,12 @@ class _AutoRecorder:
     def __init__(self, controller: Controller, steps: list[StepStats], expected: list[float]) -> None:
         self.c, self.steps, self.expected = controller, steps, expected
 
-    def proposers_used(self) -> set[str]:
-        return self.c.proposers_used()
+    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+        return self.c.begin(prompt, sampled)
 
-    def begin(self, prompt):  # noqa: ANN001, ANN201 - SpeculationPolicy
-        return self.c.begin(prompt)
-
-    def decide(self, context):  # noqa: ANN001, ANN201 - SpeculationPolicy
+    def decide(self, context: Sequence[int]) -> Decision:
         d = self.c.decide(context)
-        gains = self.c.view.gains.get(d.proposer)
+        gains = self.c.view.gains.get(d.name)
         self.expected.append(gains[d.k - 1] if d.k and gains else 1.0)
         return d
 
@@ -178,7 +176,7 @@ class _AutoRecorder:
 def predicted_gain(controller: Controller, proposer: str, k: int, position_acceptance: Sequence[float]) -> float | None:
     """What the cost model predicts for a fixed arm, given the acceptance that arm saw: a check
     of the model the controller decides with."""
-    if proposer in ("none", "off") or k == 0 or not controller.cost.calibrated():
+    if proposer == OFF or k == 0 or not controller.cost.calibrated():
         return None
     rates = np.zeros(k)
     n = min(k, len(position_acceptance))
@@ -201,7 +199,7 @@ class BenchReport:
 
 
 def run_bench(
-    session: Session,
+    session: Host,
     workloads: Sequence[Workload],
     arms: Sequence[Arm],
     max_tokens: int,
@@ -246,7 +244,7 @@ def run_bench(
                 if run.expected_gain is not None:
                     r.expected_gain = run.expected_gain if r.expected_gain is None else (r.expected_gain * (r.runs - 1) + run.expected_gain) / r.runs
         prefill[wl.name] = prefill_tokens / prefill_s if prefill_s else 0.0
-        plain = by_arm.get("plain")
+        plain = by_arm.get(OFF)
         if plain:
             plain.finish(None)
         for r in by_arm.values():
@@ -264,7 +262,7 @@ def run_bench(
     )
 
 
-def _run_arm(session: Session, arm: Arm, tokens: list[int], params: SamplingParams, max_tokens: int, reference) -> Run:
+def _run_arm(session: Host, arm: Arm, tokens: list[int], params: SamplingParams, max_tokens: int, reference) -> Run:
     models = session.models
     if arm.mode == "reference":
         text, n, seconds = reference.complete(tokens, max_tokens)
@@ -274,12 +272,14 @@ def _run_arm(session: Session, arm: Arm, tokens: list[int], params: SamplingPara
         models.draft.reset()  # the draft pays its prefill in every arm that uses it
     steps: list[StepStats] = []
     expected: list[float] = []
+    policy: SpeculationPolicy
     if arm.mode == "auto":
         policy = _AutoRecorder(session.controller, steps, expected)
     else:
-        policy = _Recorder(arm.mode, arm.k, steps)
+        proposer = session.controller.proposer(arm.mode) if arm.mode != OFF and arm.k > 0 else None
+        policy = _Recorder(proposer, arm.k, steps)
     st = GenerationStats()
     t0 = time.perf_counter()
-    text = "".join(ev.text for ev in models.engine.generate(tokens, params, max_tokens, (), policy, st))
+    text = "".join(ev.text for ev in session.engine.generate(tokens, params, max_tokens, (), policy, st))
     seconds = time.perf_counter() - t0
     return Run(st.completion_tokens, seconds, st.ttft_s, text, steps, expected_gain=float(np.mean(expected)) if expected else None)

@@ -10,31 +10,32 @@ thread, so runtimes are never used concurrently.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import psutil
 
 from homespec import __version__
-from homespec.config import Config
-from homespec.speculation.engine import GenerationStats, PromptTooLong
+from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
+from homespec.models.fetch import resolve_model_path
 from homespec.models.memory import LoadPlan, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
-from homespec.models.fetch import resolve_model_path
-from homespec.speculation.proposers.mtp import head_ram
-from homespec.serving.host import GenerationRequest, Session
+from homespec.mtp.checkpoint import head_ram
+from homespec.serving.host import GenerationRequest, Host
 from homespec.serving.stats import LiveStats, Metrics
 from homespec.serving.stats_schema import DaemonState, RequestRecord
+from homespec.speculation.engine import GenerationStats, PromptTooLong
 
 log = logging.getLogger("homespec.serving.daemon")
 
-MODES = ("auto", "ngram", "draft", "mtp", "off")  # the order the dashboard cycles through
 
 
 class QueueFull(Exception):
@@ -77,17 +78,17 @@ class Job:
 
 
 class Daemon:
-    def __init__(self, cfg: Config, opener: Callable[..., Session] | None = None) -> None:
+    def __init__(self, cfg: Config, opener: Callable[..., Host] | None = None) -> None:
         self.cfg = cfg
-        # opener(cfg, with_draft=..., n_ctx=...) -> an un-warmed Session (tests inject fakes)
-        self._open = opener or (lambda c, **kw: Session.open(c, calibrate=False, **kw))
+        # opener(cfg, with_draft=..., n_ctx=...) -> an un-warmed Host (tests inject fakes)
+        self._open = opener or (lambda c, **kw: Host.open(c, calibrate=False, **kw))
         self.plan: LoadPlan | None = None
         self.watcher: HeadroomWatcher | None = None
         self._pending_control: collections.deque[str] = collections.deque()  # "unload-draft" | "reload-draft"
-        self.session: Session | None = None
+        self.session: Host | None = None
         self.state: DaemonState = "loading"
         self.error: str | None = None
-        self.mode: str = cfg.speculation.mode
+        self.mode: Mode = cfg.speculation.mode  # what requests that name no mode get
         self.started = time.time()
         self.live = LiveStats()
         self.metrics = Metrics()
@@ -182,12 +183,14 @@ class Daemon:
     def set_mode(self, mode: str) -> None:
         if mode not in self.available_modes():
             raise UserError(f"mode {mode!r} not available; choose one of {', '.join(self.available_modes())}")
-        self.mode = mode
+        self.mode = Mode(mode)
         log.info("speculation mode set to %s", mode)
 
     def available_modes(self) -> list[str]:
-        have = set(self.session.models.engine.proposers) if self.session else {"ngram"}
-        return [m for m in MODES if m in ("auto", "off") or m in have]
+        """In Mode's order (the dashboard cycles through them). Unloaded: ngram needs no model."""
+        if self.session is not None:
+            return [m.value for m in self.session.available_modes()]
+        return [m.value for m in (Mode.AUTO, Mode.NGRAM, Mode.OFF)]
 
     def queue_view(self) -> tuple[int, int]:
         with self._cv:
@@ -330,8 +333,8 @@ class Daemon:
         try:
             tokens = models.encode_chat(job.messages) if job.messages is not None else models.encode_text(job.prompt or "")
             req = job.request
-            if req.mode == "auto" and self.mode != "auto":
-                req = GenerationRequest(req.params, req.max_tokens, req.stop, self.mode, req.k)
+            if req.mode == Mode.AUTO and self.mode != Mode.AUTO:
+                req = dataclasses.replace(req, mode=self.mode)
             gen = session.generate(tokens, req)
         except PromptTooLong as e:
             job.sink(JobEvent("error", text=str(e), status=400, code="context_length_exceeded"))

@@ -1,30 +1,31 @@
-"""A loaded, warmed-up model set with its controller: what `run`, `bench` and the daemon drive.
+"""The host: a loaded model set wired to its proposers, controller and engine; what `run`,
+`bench` and the daemon drive.
 
-Warm-up does two jobs: it touches the weights (the first pass after an mmap load pays the page
-faults) and it calibrates the controller's cost model by timing the target over n = 1..k_max + 1
-tokens and each model proposer (draft, MTP head) over the steps it drafts.
+Wiring is all it does: the loader opens models (models/loader.py), the proposers wrap them, the
+controller owns the proposer registry and the measured costs, the engine runs the steps. Warm-up
+touches the weights (the first pass after an mmap load pays the page faults) and has the
+controller calibrate on this machine.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
-import statistics
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any
 
-import numpy as np
-
-from homespec.config import Config
-from homespec.speculation.controller import Controller, calibrate, make_policy
-from homespec.speculation.engine import Event, GenerationStats
+from homespec.config import Config, Mode, override
 from homespec.errors import UserError
-from homespec.models.loader import ModelSet, load_model_set
 from homespec.llama.prefix_cache import PrefixCache
+from homespec.models.loader import ModelSet, load_model_set
+from homespec.speculation.controller import Controller, make_policy
+from homespec.speculation.engine import Engine, Event, GenerationStats
+from homespec.speculation.proposers.base import Proposer
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.proposers.mtp import MTPProposer
+from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
-
-_GREEDY = SamplingParams()
 
 log = logging.getLogger("homespec.serving.host")
 
@@ -44,8 +45,31 @@ class GenerationRequest:
     params: SamplingParams = SamplingParams()
     max_tokens: int = 256
     stop: Sequence[str] = ()
-    mode: str = "auto"  # auto | draft | ngram | mtp | off
+    mode: Mode = Mode.AUTO
     k: int | None = None  # fixed modes; None = config's speculation.k
+
+
+def build_request(
+    cfg: Config,
+    *,
+    mode: Mode | str | None = None,
+    k: int | None = None,
+    max_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    **sampling: Any,
+) -> GenerationRequest:
+    """The one place a request is assembled: config.yaml's defaults, overridden by what the
+    caller (CLI flags, an API body) set; None means "not set". Overrides are checked against
+    the config's own bounds, so a bad one raises UserError naming the field."""
+    s = cfg.sampling.model_copy()
+    spec = cfg.speculation.model_copy()
+    override(s, {**sampling, "max_tokens": max_tokens})
+    override(spec, {"mode": mode, "k": k})
+    try:
+        params = SamplingParams(**{f: getattr(s, f) for f in SamplingParams.__dataclass_fields__ if f in type(s).model_fields})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k)
 
 
 @dataclass
@@ -54,7 +78,6 @@ class Generation:
 
     events: Iterator[Event]
     stats: GenerationStats = field(default_factory=GenerationStats)
-    mode: str = "auto"
 
     def __iter__(self) -> Iterator[Event]:
         return self.events
@@ -65,60 +88,66 @@ class Generation:
             close()
 
 
-class Session:
+def build_proposers(cfg: Config, models: ModelSet) -> list[Proposer]:
+    """Every proposer the loaded models allow (ngram needs no model)."""
+    ngram = cfg.speculation.ngram
+    out: list[Proposer] = [NgramProposer(ngram.n_min, ngram.n_max)]
+    if models.draft is not None:
+        out.append(DraftProposer(models.draft, models.target.n_vocab))
+    if models.mtp_head is not None:
+        out.append(MTPProposer(models.target, models.mtp_head))
+    return out
+
+
+class Host:
     def __init__(self, cfg: Config, models: ModelSet) -> None:
         self.cfg = cfg
         self.models = models
         spec = cfg.speculation
-        names = list(models.engine.proposers)
-        ngram = models.engine.proposers.get("ngram")
-        self.controller = Controller(
-            names,
-            spec.controller,
-            k_max=min(spec.k_max, models.target.n_ctx - 1),
-            ngram_min=spec.ngram.n_min,
-            ngram_peek=getattr(ngram, "match", None),
-            lag=self._lag,
-        )
+        k_max = min(spec.k_max, models.target.n_ctx - 1)
+        self.controller = Controller(build_proposers(cfg, models), spec.controller, k_max=k_max)
+        self.engine = Engine(models.target)
         self.warmup_s = 0.0
-        self.calibration: dict[str, dict[int, float]] = {}
+        self.calibration: dict[str, dict[int, float]] = {}  # "target" | proposer -> {n: seconds}
         self.prefix_cache = PrefixCache(cfg.memory.prefix_cache_mib * 2**20) if cfg.runtime.prefix_reuse else None
-
-    def _lag(self, proposer: str, context: Sequence[int]) -> int:
-        lag = getattr(self.models.engine.proposers.get(proposer), "lag", None)
-        return lag(context) if lag else 0
 
     @classmethod
     def open(
         cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True, n_ctx: int | None = None
-    ) -> "Session":
-        session = cls(cfg, load_model_set(cfg, with_draft=with_draft, n_ctx=n_ctx))
+    ) -> Host:
+        host = cls(cfg, load_model_set(cfg, with_draft=with_draft, n_ctx=n_ctx))
         if calibrate:
-            session.warmup()
-        return session
+            host.warmup()
+        return host
+
+    @property
+    def proposers(self) -> list[str]:
+        """Names of the proposers available now."""
+        return sorted(self.controller.proposers)
 
     # -- shedding the draft under memory pressure -----------------------------------------------
 
     def unload_draft(self) -> None:
         """Free the draft model; speculation continues with the other proposers (or off)."""
+        self.controller.remove_proposer(DraftProposer.name)
         self.models.unload_draft()
-        self.controller.proposers = [p for p in self.controller.proposers if p != "draft"]
 
     def reload_draft(self) -> None:
         """Load the configured draft back (headroom returned) and hand it to the controller,
         whose measured draft costs are kept from before."""
         self.models.load_draft(self.cfg)
-        if self.models.draft is not None and "draft" not in self.controller.proposers:
-            self.controller.proposers.append("draft")
-            self.controller.last_tried.setdefault("draft", self.controller.step_no)
+        if self.models.draft is not None and DraftProposer.name not in self.controller.proposers:
+            self.controller.add_proposer(DraftProposer(self.models.draft, self.models.target.n_vocab))
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Host:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
+        for p in self.controller.proposers.values():
+            p.close()
         self.models.close()
 
     # -- warm-up -----------------------------------------------------------------------------
@@ -140,17 +169,12 @@ class Session:
             return dt
 
         time_target(1)  # the first pass after load is slow (page faults, allocations)
-        samples = calibrate(self.controller, time_target, passes=self.cfg.speculation.controller.warmup_passes)
-        self.calibration["target"] = samples
-        draft = self.models.draft
-        if draft is not None:
-            self._calibrate_draft(draft, ctx, probe)
-        if "mtp" in self.models.engine.proposers:
-            self._calibrate_mtp(self.models.engine.proposers["mtp"], ctx, probe)
+        self.calibration = self.controller.calibrate(
+            time_target, context=[*ctx, probe[0]], probe=probe, passes=self.cfg.speculation.controller.warmup_passes
+        )
         target.reset()  # the first request should not find warm-up text in the cache
-        if draft is not None:
-            draft.reset()
         self.warmup_s = time.perf_counter() - t0
+        samples = self.calibration["target"]
         log.info(
             "warm-up %.1f s: target pass 1 token %.0f ms, %d tokens %.0f ms%s",
             self.warmup_s,
@@ -159,47 +183,6 @@ class Session:
             samples[max(samples)] * 1000,
             "".join(f"; {p} {c[1] * 1000:.1f} ms/token" for p, c in self.calibration.items() if p != "target"),
         )
-
-    def _calibrate_draft(self, draft, ctx: list[int], probe: list[int]) -> None:
-        """The draft's cost per proposed token (one-token passes) and per caught-up token (a batch)."""
-        draft.sync(ctx)
-        dbase = len(draft.tokens)
-        times = []
-        for i in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
-            t = time.perf_counter()
-            draft.eval(probe[i : i + 1], output="last")
-            times.append(time.perf_counter() - t)
-        draft.truncate(dbase)
-        per_token = statistics.median(times[1:])
-        t = time.perf_counter()
-        draft.eval(probe, output="none")  # a catch-up batch: prefill speed
-        catchup = (time.perf_counter() - t) / len(probe)
-        draft.truncate(dbase)
-        self._set_cost("draft", per_token, catchup, len(probe))
-
-    def _calibrate_mtp(self, mtp, ctx: list[int], probe: list[int]) -> None:
-        """The head's cost per proposed token, as a step drafts (one real entry rebuilt, then
-        its own predictions fed forward), and per entry rebuilt after sitting steps out."""
-        target = self.models.target
-        base = len(target.tokens)
-        context = [*ctx, probe[0]]  # the target holds ctx = context[:-1], as between steps
-        rng = np.random.default_rng(0)
-        first = mtp.propose(context, 1, _GREEDY, rng)  # builds the window: a catch-up
-        built = max(first.info.get("catchup_tokens", 0.0), 1.0)
-        k = max(1, min(4, self.controller.k_max))
-        times = []
-        for _ in range(1 + self.cfg.speculation.controller.warmup_passes * 2):
-            # A target pass in between, as in a real step: back to back the head measured ~25%
-            # cheaper (4.4 against 5.7 ms a token: warm caches and thread pools).
-            target.eval(probe[:1], output="last")
-            target.truncate(base)
-            times.append(mtp.propose(context, k, _GREEDY, rng).draft_s)
-        self._set_cost("mtp", statistics.median(times[1:]) / k, first.draft_s / built, int(built))
-
-    def _set_cost(self, proposer: str, per_token: float, catchup: float, n_catchup: int) -> None:
-        self.controller.cost.propose_s[proposer] = per_token
-        self.controller.cost.catchup_s[proposer] = catchup
-        self.calibration[proposer] = {1: per_token, n_catchup: catchup * n_catchup}
 
     # -- generation --------------------------------------------------------------------------
 
@@ -212,50 +195,22 @@ class Session:
         if self.models.draft is not None:
             self.models.draft.reset()
 
-    def check_mode(self, mode: str) -> None:
-        if mode in ("auto", "off"):
-            return
-        if mode not in self.models.engine.proposers:
-            have = ", ".join(["auto", "off", *sorted(self.models.engine.proposers)])
-            raise UnknownMode(f"speculation mode {mode!r} is not available here (available: {have})")
+    def available_modes(self) -> list[Mode]:
+        """auto, off, and a fixed mode per proposer loaded now, in Mode's order."""
+        return [m for m in Mode if m in (Mode.AUTO, Mode.OFF) or m.value in self.controller.proposers]
+
+    def check_mode(self, mode: Mode | str) -> None:
+        if mode not in self.available_modes():
+            have = ", ".join(m.value for m in self.available_modes())
+            raise UnknownMode(f"speculation mode {str(mode)!r} is not available here (available: {have})")
 
     def generate(self, tokens: Sequence[int], req: GenerationRequest) -> Generation:
         self.check_mode(req.mode)
         k = self.cfg.speculation.k if req.k is None else req.k
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
-        mode = "off" if req.mode == "auto" and not self.controller.cost.calibrated() else req.mode
+        mode = Mode.OFF if req.mode == Mode.AUTO and not self.controller.cost.calibrated() else req.mode
         policy = make_policy(mode, k, self.controller)
-        self.controller.sampled = not req.params.greedy
         self._prepare_cache(tokens)
         stats = GenerationStats()
-        events = self.models.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats)
-        return Generation(events, stats, req.mode)
-
-
-def request_from_args(cfg: Config, args: argparse.Namespace) -> GenerationRequest:
-    """CLI flags over config defaults (flags left unset keep the config's value)."""
-    s = cfg.sampling
-
-    def pick(name: str, default):  # noqa: ANN001 - plain passthrough
-        v = getattr(args, name, None)
-        return default if v is None else v
-
-    try:
-        params = SamplingParams(
-            temperature=pick("temperature", s.temperature),
-            top_p=pick("top_p", s.top_p),
-            top_k=pick("top_k", s.top_k),
-            min_p=pick("min_p", s.min_p),
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            seed=pick("seed", None),
-        )
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    return GenerationRequest(
-        params=params,
-        max_tokens=pick("max_tokens", s.max_tokens),
-        mode=pick("mode", cfg.speculation.mode),
-        k=pick("k", None),
-    )
+        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats)
+        return Generation(events, stats)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from homespec.config import SpeculationMode
+from homespec.config import Mode
 from homespec.speculation.engine import GenerationStats
 
 
@@ -33,7 +33,7 @@ class ApiError(Exception):
 
 class HomespecOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    speculation: SpeculationMode | None = None  # None: the daemon's current mode
+    speculation: Mode | None = None  # None: the daemon's current mode
     k: int | None = Field(None, ge=0, le=64)
 
 
@@ -94,7 +94,7 @@ class _Common(BaseModel):
         return stops
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "_Common":
+    def _unsupported(self) -> _Common:
         if self.n != 1:
             raise ValueError("n > 1 is not supported (one completion per request)")
         if self.logprobs:
@@ -112,7 +112,7 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _chat_unsupported(self) -> "ChatRequest":
+    def _chat_unsupported(self) -> ChatRequest:
         if self.tools:
             raise ValueError("tools are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -140,7 +140,7 @@ class CompletionRequest(_Common):
         return v
 
     @model_validator(mode="after")
-    def _completion_unsupported(self) -> "CompletionRequest":
+    def _completion_unsupported(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
             raise ValueError("prompt must be one string (batched prompts are not supported)")
         if self.echo:

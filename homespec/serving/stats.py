@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from homespec.speculation.engine import PLAIN, GenerationStats, StepStats, StepTally
 from homespec.serving.stats_schema import RequestRecord, SpeedPoint
+from homespec.speculation.engine import OFF, GenerationStats, StepStats, StepTally
 
 STEP_WINDOW = 256  # steps in the rolling acceptance / timing window
 REQUEST_WINDOW = 20  # recent requests shown
@@ -31,6 +31,29 @@ class _Bucket:
     t: float
     tokens: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class LiveSnapshot:
+    """What `LiveStats.snapshot()` returns: copies of the windows and counters, taken under the
+    lock, plus aggregates over the step window. Counters count since start or the last reset."""
+
+    requests: list[RequestRecord]  # the last REQUEST_WINDOW requests, most recent first
+    history: list[SpeedPoint]  # one point per second, oldest first, the last HISTORY_POINTS
+    tokens_generated: int  # tokens emitted by all steps
+    requests_served: int  # requests that ran to an end: ok, cancelled or timed out
+    cache_lookups: int  # requests looked up in the prefix cache
+    cache_hits: int  # lookups that reused at least one cached prompt token
+    tokens_reused: int  # prompt tokens whose KV cache was reused
+    tokens_evaluated: int  # prompt tokens evaluated afresh
+    acceptance_rate: float | None  # accepted / proposed, 0..1 (None: nothing proposed)
+    acceptance_length: float | None  # tokens emitted per step, >= 1 (None: no steps)
+    per_position: list[float]  # P(accepted | reached) at draft positions 1.., 0..1, rounded to 4 places
+    draft_ms: float | None  # mean drafting time per step, milliseconds (None: no steps)
+    verify_ms: float | None  # mean verifying time per step, milliseconds (None: no steps)
+    draft_share: float | None  # drafting / (drafting + verifying) time, 0..1 (None: no time yet)
+    tok_s: float | None  # emitted tokens per second of step time over the last 64 steps (None: idle)
+    chosen: dict[str, int]  # "proposer:k" -> steps, e.g. "ngram:4"
 
 
 class LiveStats:
@@ -90,23 +113,26 @@ class LiveStats:
             self.tokens_reused += st.cached_tokens
             self.tokens_evaluated += st.prompt_tokens - st.cached_tokens
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> LiveSnapshot:
         """Aggregates over the step window, for the stats view."""
         with self._lock:
-            steps = list(self.steps)
-            out = {
-                "requests": list(self.requests),
-                "history": list(self.history),
-                "tokens_generated": self.tokens_generated,
-                "requests_served": self.requests_served,
-                "cache": (self.cache_lookups, self.cache_hits, self.tokens_reused, self.tokens_evaluated),
-            }
+            steps, requests, history = list(self.steps), list(self.requests), list(self.history)
+            tokens_generated, requests_served = self.tokens_generated, self.requests_served
+            lookups, hits, reused, evaluated = self.cache_lookups, self.cache_hits, self.tokens_reused, self.tokens_evaluated
         t = StepTally()
         for step in steps:
             t.add(step)
         recent = steps[-64:]  # the live rate: the last few seconds of steps
         recent_s = sum(s.seconds for s in recent)
-        out.update(
+        return LiveSnapshot(
+            requests=requests,
+            history=history,
+            tokens_generated=tokens_generated,
+            requests_served=requests_served,
+            cache_lookups=lookups,
+            cache_hits=hits,
+            tokens_reused=reused,
+            tokens_evaluated=evaluated,
             acceptance_rate=t.acceptance_rate,
             acceptance_length=t.acceptance_length,
             per_position=[round(x, 4) for x in t.position_acceptance],
@@ -116,7 +142,6 @@ class LiveStats:
             tok_s=sum(s.emitted for s in recent) / recent_s if recent_s > 0 else None,
             chosen=t.by_choice,
         )
-        return out
 
 
 class Metrics:
@@ -154,7 +179,6 @@ class Metrics:
         self.model_loaded = Gauge("homespec_model_loaded", "1 when the model is loaded", ["role"], registry=r)
         self.ram_available = Gauge("homespec_memory_ram_available_bytes", "Available RAM", registry=r)
         self.ram_reserve = Gauge("homespec_memory_ram_reserve_bytes", "RAM kept free for other services", registry=r)
-        self.vram_free = Gauge("homespec_memory_vram_free_bytes", "Free VRAM (NaN without a GPU)", registry=r)
         self.tokens_per_second = Gauge("homespec_tokens_per_second", "Live output tokens/s", registry=r)
         self.baseline_tokens_per_second = Gauge(
             "homespec_baseline_tokens_per_second", "Plain decoding tokens/s estimated by the cost model", registry=r
@@ -165,7 +189,7 @@ class Metrics:
     def observe_step(self, step: StepStats) -> None:
         self.steps.labels(step.proposer, str(step.k)).inc()
         self.step_seconds.labels("verify").observe(step.verify_s)
-        if step.proposer != PLAIN and step.proposed:
+        if step.proposer != OFF and step.proposed:
             self.step_seconds.labels("draft").observe(step.draft_s)
             self.drafts.labels(step.proposer).inc()
             self.draft_tokens.labels(step.proposer).inc(step.proposed)

@@ -53,7 +53,7 @@ class SpeedView(BaseModel):
 class SpeculationView(BaseModel):
     mode: str = "auto"  # the daemon's default mode (admin-settable)
     modes: list[str] = Field(default_factory=list)  # modes the admin endpoint accepts, in cycle order
-    proposer: str = "none"  # the controller's current choice
+    proposer: str = "off"  # the controller's current choice ("off": plain decoding)
     k: int = 0
     reason: str = ""
     gains: dict[str, list[float]] = Field(default_factory=dict)  # proposer -> expected gain for k = 1..k_max

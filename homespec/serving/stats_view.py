@@ -25,7 +25,6 @@ def build_stats_view(d: Daemon, address: str = "") -> StatsView:
     running, waiting = d.queue_view()
     session = d.session
     view = session.controller.view if session else None
-    lookups, hits, reused, evaluated = snap["cache"]
     return StatsView(
         version=d.version(),
         uptime_s=round(d.uptime(), 1),
@@ -37,38 +36,38 @@ def build_stats_view(d: Daemon, address: str = "") -> StatsView:
         models=_models(d),
         device=_device(d),
         speed=SpeedView(
-            tok_s=snap["tok_s"],
+            tok_s=snap.tok_s,
             baseline_tok_s=view.baseline_tps if view else None,
-            speedup=(snap["tok_s"] / view.baseline_tps) if (view and view.baseline_tps and snap["tok_s"]) else None,
-            tokens_generated=snap["tokens_generated"],
-            requests_served=snap["requests_served"],
-            history=snap["history"],
+            speedup=(snap.tok_s / view.baseline_tps) if (view and view.baseline_tps and snap.tok_s) else None,
+            tokens_generated=snap.tokens_generated,
+            requests_served=snap.requests_served,
+            history=snap.history,
         ),
         speculation=SpeculationView(
             mode=d.mode,
             modes=d.available_modes(),
-            proposer=view.proposer if view else "none",
+            proposer=view.proposer if view else "off",
             k=view.k if view else 0,
             reason=view.reason if view else "",
             gains=view.gains if view else {},
-            acceptance_rate=snap["acceptance_rate"],
-            acceptance_length=snap["acceptance_length"],
-            per_position=snap["per_position"],
-            draft_ms_per_step=snap["draft_ms"],
-            verify_ms_per_step=snap["verify_ms"],
-            draft_share=snap["draft_share"],
-            chosen=snap["chosen"],
+            acceptance_rate=snap.acceptance_rate,
+            acceptance_length=snap.acceptance_length,
+            per_position=snap.per_position,
+            draft_ms_per_step=snap.draft_ms,
+            verify_ms_per_step=snap.verify_ms,
+            draft_share=snap.draft_share,
+            chosen=snap.chosen,
             probes=view.probes if view else 0,
         ),
         memory=_memory(d),
         queue=QueueView(running=running, waiting=waiting, max_waiting=d.cfg.server.queue_depth),
-        requests=snap["requests"],
+        requests=snap.requests,
         prefix_cache=PrefixCacheView(
-            lookups=lookups,
-            hits=hits,
-            hit_ratio=hits / lookups if lookups else None,
-            tokens_reused=reused,
-            tokens_evaluated=evaluated,
+            lookups=snap.cache_lookups,
+            hits=snap.cache_hits,
+            hit_ratio=snap.cache_hits / snap.cache_lookups if snap.cache_lookups else None,
+            tokens_reused=snap.tokens_reused,
+            tokens_evaluated=snap.tokens_evaluated,
             **_saved_states(d),
         ),
     )
@@ -93,8 +92,8 @@ def _models(d: Daemon) -> ModelsView:
     mtp = None
     if m.mtp_path is not None:
         mtp = ModelInfo(name=m.mtp_path.name.removesuffix(".safetensors"), path=str(m.mtp_path),
-                        size_mib=round(m.mtp_path.stat().st_size / MiB, 1), loaded="mtp" in m.engine.proposers)
-    return ModelsView(target=target, draft=draft, mtp=mtp, proposers=sorted(m.engine.proposers))
+                        size_mib=round(m.mtp_path.stat().st_size / MiB, 1), loaded=m.mtp_head is not None)
+    return ModelsView(target=target, draft=draft, mtp=mtp, proposers=s.proposers)
 
 
 def _device(d: Daemon) -> DeviceView:

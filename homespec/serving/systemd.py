@@ -1,6 +1,6 @@
 """systemd integration: render and install the unit, and talk sd_notify(3) from the daemon.
 
-`render_unit` writes a unit for one install's real paths (the shipped systemd/homespec.serving.systemd is
+`render_unit` writes a unit for one install's real paths (the shipped systemd/homespec.service is
 its output for the /opt/homespec layout, plus longer comments); `install_unit` puts it where
 systemd looks; `SystemdNotifier` sends READY / STATUS / STOPPING / WATCHDOG from `homespec serve`.
 """
@@ -22,7 +22,7 @@ from homespec.errors import UserError
 
 log = logging.getLogger(__name__)
 
-UNIT_NAME = "homespec.serving.systemd"
+UNIT_NAME = "homespec.service"
 SERVICE_USER = "homespec"
 # StateDirectory=homespec of a system unit; models kept here belong to the service (writable).
 SYSTEM_STATE_DIR = Path("/var/lib/homespec")
@@ -90,7 +90,7 @@ def render_unit(
     drain_timeout_s: float = 20.0,
     gpu: bool = False,
 ) -> str:
-    """The homespec.serving.systemd text for these paths.
+    """The homespec.service text for these paths.
 
     user=False: a system unit running as the dedicated `homespec` user, sandboxed.
     user=True: a `systemctl --user` unit; it keeps only the options a user manager can apply
@@ -103,7 +103,7 @@ def render_unit(
     stop_s = math.ceil(drain_timeout_s) + STOP_MARGIN_S
     kind = "user" if user else "system"
     out = [
-        f"# homespec.serving.systemd ({kind} unit), rendered by `homespec service install` for:",
+        f"# homespec.service ({kind} unit), rendered by `homespec service install` for:",
         f"#   {exec_path} serve --config {config}",
         "# Re-run `homespec service install` after moving the checkout or the config.",
         "",

@@ -15,17 +15,18 @@ Everything on the right-hand side is measured on this machine, not assumed:
 - t_verify(n): the target's pass over n tokens, timed at warm-up for n = 1..k_max + 1 and
   updated from every live step (EWMA). A 2-core CPU is compute-bound (a pass over 5 tokens costs
   ~3x one), so the best k is small or 0; a GPU's flat curve makes large k pay.
-- t_propose: seconds per proposed token for the draft model / MTP head (EWMA of live steps,
-  catch-up batches excluded); ngram costs microseconds.
-- a_i: per proposer, an EWMA of the outcome at each position, updated after every step; for
-  ngram additionally keyed by the match's length (a 5-token match predicts far better than a
-  2-token one) and by whether it copies the prompt or repeats the answer (an edit copying its
-  input keeps ~13 of 16 tokens; prose repeating a phrase of its own, ~4).
+- t_propose: seconds per proposed token, per proposer (EWMA of live steps, catch-up batches
+  excluded); a model proposer measures it at warm-up, prompt lookup costs microseconds.
+- a_i: per proposer, an EWMA of the outcome at each position, updated after every step, and
+  keyed by the evidence a proposal offers (Proposer.preview). For prompt lookup that is the
+  match's length (a 5-token match predicts far better than a 2-token one) and whether it copies
+  the prompt or repeats the answer (an edit copying its input keeps ~13 of 16 tokens; prose
+  repeating a phrase of its own, ~4).
 
 Earned length: within a request, a proposer may draft at most max(k0, EARNED_GROWTH x its
 longest accepted run in this request) tokens, k0 being the longest draft whose verification
 costs at most UNEARNED_PASSES single passes. The acceptance estimates pool many requests, and requests differ
-most exactly where a long draft is at stake: the same 6-token ngram match that an edit copies in
+most exactly where a long draft is at stake: the same 6-token prompt-lookup match that an edit copies in
 full, a chat answer leaves after one token. On 2 cores a 16-token draft rejected early costs ~6
 passes; capped (k0 = 4-5 there), the loss is at most 3, while a real copy reaches k = 16 by its
 second or third step. On a GPU's flat cost curve k0 is k_max: there a long draft risks little.
@@ -45,15 +46,16 @@ happily speculates at a loss; here the objective is tokens per second and k = 0 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from homespec.config import ControllerConfig
-from homespec.speculation.engine import PLAIN, Decision, FixedPolicy, SpeculationPolicy, StepStats
+from homespec.config import ControllerConfig, Mode
 from homespec.speculation.costs import AcceptanceModel, CostModel, expected_emitted
-from homespec.speculation.proposers.ngram import MATCH_CAP, Match
+from homespec.speculation.engine import OFF, Decision, FixedPolicy, SpeculationPolicy, StepStats
+from homespec.speculation.proposers.base import Evidence, Proposer
 
 # Share of recent generation time that probing unprofitable proposers may cost at most, over
 # an exponential window of BUDGET_WINDOW steps (~50 s of generation on 2 cores).
@@ -82,17 +84,9 @@ class AcceptanceKey(NamedTuple):
     """What acceptance is tracked by: outcomes under the same key are alike."""
 
     proposer: str
-    match: int = 0  # ngram: match-length bucket (match_bucket); 0 for model proposers
-    from_prompt: bool = False  # ngram: the match copies the prompt rather than the answer
+    match: int = 0  # the proposal's evidence strength (prompt lookup: its match-length bucket); 0 = none
+    from_prompt: bool = False  # the proposal copies the prompt rather than the answer
     sampled: bool = False  # a temperature > 0 request
-
-
-def match_bucket(length: int) -> int:
-    """ngram match lengths 2..7 apart, then 8-15, 16-31 and 32+ (MATCH_CAP) by their lower end:
-    past a few tokens, doubling the length is what changes the odds."""
-    if length < 8:
-        return length
-    return 8 if length < 16 else 16 if length < MATCH_CAP else MATCH_CAP
 
 
 @dataclass(frozen=True)
@@ -111,39 +105,37 @@ class Candidate:
 class ControllerView:
     """What the daemon and the dashboard show: the choice, why, and the live figures."""
 
-    proposer: str = PLAIN
+    proposer: str = OFF
     k: int = 0
     reason: str = "not calibrated yet"
     gains: dict[str, list[float]] = field(default_factory=dict)  # proposer -> [expected rate / plain] for k = 1..
     baseline_tps: float | None = None  # plain decoding, from the cost model
     effective_tps: float | None = None  # measured: emitted / step seconds (EWMA)
     speedup: float | None = None  # effective / baseline
-    chosen: dict[str, int] = field(default_factory=dict)  # "ngram:4" -> steps
+    chosen: dict[str, int] = field(default_factory=dict)  # "<proposer>:<k>" -> steps
     probes: int = 0
 
 
 class Controller:
-    """A SpeculationPolicy that learns; one instance is shared by all requests of a daemon."""
+    """A SpeculationPolicy that learns; one instance is shared by all requests of a daemon.
+
+    It owns the registry of proposers it may choose from (add_proposer / remove_proposer) and
+    their measured costs (calibrate); it reaches them only through the Proposer protocol.
+    """
 
     def __init__(
         self,
-        proposers: Sequence[str],
+        proposers: Sequence[Proposer] = (),
         cfg: ControllerConfig = ControllerConfig(),
         k_max: int = 16,
-        ngram_min: int = 2,
-        ngram_peek: Callable[[Sequence[int], int], Match] | None = None,
-        lag: Callable[[str, Sequence[int]], int] | None = None,
     ) -> None:
-        self.proposers = [p for p in proposers if p != PLAIN]
         self.cfg = cfg
         self.k_max = k_max
         self.cost = CostModel(k_max + 1, cfg.cost_ewma)
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior)
-        self.ngram_min = ngram_min
-        self.ngram_peek = ngram_peek  # (context, k) -> the match ngram would propose from
-        self.lag = lag  # (proposer, context) -> tokens it must catch up on before proposing
+        self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
         self.step_no = 0
-        self.last_tried: dict[str, int] = {p: 0 for p in self.proposers}
+        self.last_tried: dict[str, int] = {}  # proposer -> step it was last chosen or probed
         self.failed_probes: dict[str, int] = {}  # proposer -> probes in a row that found it not paying
         # Both over an exponential window of the last ~BUDGET_WINDOW steps: a daemon's long history
         # (or a bench's fixed arms) must not bank a budget that probes then spend in a burst.
@@ -151,37 +143,90 @@ class Controller:
         self.explore_s = 0.0  # seconds lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
         self._probing: tuple[str, int] | None = None  # (proposer, k) of a decided probe step
-        self.sampled = False  # the current request samples (temperature > 0); set per request
+        self.sampled = False  # the current request samples (temperature > 0); set by begin()
         self.earned: dict[str, int] = {}  # proposer -> longest accepted run in the current request
+        self._shown: dict[str, Evidence] = {}  # proposer -> evidence of its last preview (the view)
+        for p in proposers:
+            self.add_proposer(p)
+
+    # -- the registry and its costs --------------------------------------------------------
+
+    def add_proposer(self, proposer: Proposer) -> None:
+        """Make a proposer a candidate (again: costs measured before are kept)."""
+        self.proposers[proposer.name] = proposer
+        self.last_tried.setdefault(proposer.name, self.step_no)
+
+    def remove_proposer(self, name: str) -> Proposer | None:
+        """Stop choosing a proposer (its model is being unloaded); returns it."""
+        return self.proposers.pop(name, None)
+
+    def proposer(self, name: str) -> Proposer:
+        """A registered proposer by name; KeyError names the available ones."""
+        try:
+            return self.proposers[name]
+        except KeyError:
+            raise KeyError(f"no proposer {name!r} (have {', '.join(sorted(self.proposers)) or 'none'})") from None
+
+    def calibrate(
+        self,
+        time_pass: Callable[[int], float],
+        *,
+        context: Sequence[int] = (),
+        probe: Sequence[int] = (),
+        passes: int = 2,
+        sizes: Sequence[int] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """Measure this machine: the target's pass over n tokens (time_pass(n) runs one and
+        returns seconds; median of `passes`), then each proposer's own cost after `context`
+        (see Proposer.measure_cost). Returns the samples: {"target" | proposer: {n: seconds}}.
+
+        Sizes default to a spread over 1..k_max + 1 (interpolated between), which keeps warm-up
+        to a few seconds on a CPU."""
+        n_max = self.k_max + 1
+        if sizes is None:
+            sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, n_max} & set(range(1, n_max + 1)))
+        samples = {n: float(np.median([time_pass(n) for _ in range(passes)])) for n in sizes}
+        self.cost.set_verify(samples)
+        out = {"target": samples}
+        for name, p in self.proposers.items():
+            measured = p.measure_cost(context, probe, passes) if context else None
+            if measured is not None:
+                self.set_proposer_cost(name, measured.per_token_s, measured.catchup_per_token_s)
+                out[name] = {1: measured.per_token_s, measured.catchup_tokens: measured.catchup_per_token_s * measured.catchup_tokens}
+        return out
+
+    def set_proposer_cost(self, name: str, per_token_s: float, catchup_per_token_s: float | None = None) -> None:
+        """Seconds per proposed token (and per token caught up) at the current pace."""
+        self.cost.propose_s[name] = per_token_s / self.cost.speed
+        if catchup_per_token_s is not None:
+            self.cost.catchup_s[name] = catchup_per_token_s / self.cost.speed
 
     # -- SpeculationPolicy -----------------------------------------------------------------
 
-    def proposers_used(self) -> set[str]:
-        return set(self.proposers)
-
-    def begin(self, prompt: Sequence[int]) -> set[str]:
-        """A request starts: draft lengths are earned afresh. Prefill ngram (indexing the prompt
-        costs ~nothing, and tells it where the prompt ends), and model proposers only while they
-        pay (a draft's prefill costs TTFT for nothing otherwise); the others catch up if a probe
-        picks them."""
+    def begin(self, prompt: Sequence[int], sampled: bool = False) -> list[Proposer]:
+        """A request starts: draft lengths are earned afresh, and acceptance is learned apart
+        for sampled requests. Prefill the proposers whose prefill is free (a prompt-lookup index also
+        learns where the prompt ends) and the others only while they pay (a draft's prefill costs
+        TTFT for nothing otherwise); the rest catch up if a probe picks them."""
         self.earned = {}
+        self.sampled = sampled
         plain = self._plain()
-        return {
+        return [
             p
-            for p in self.proposers
-            if p == "ngram" or self._best(p, self.k_max, self._key(p)).rate >= self.cfg.min_gain * plain.rate
-        }
+            for name, p in self.proposers.items()
+            if p.free_prefill or self._best(name, self.k_max, self._key(name)).rate >= self.cfg.min_gain * plain.rate
+        ]
 
     def decide(self, context: Sequence[int]) -> Decision:
         self.step_no += 1
         self._probing = None
         if not self.cost.calibrated():
-            return Decision(PLAIN, 0)
+            return Decision(None, 0)
         plain = self._plain()
         options = self._options(context)  # proposer -> (key, k available)
         best_of = {p: self._best(p, k_avail, key) for p, (key, k_avail) in options.items()}
         best = max([plain, *best_of.values()], key=lambda c: c.rate)
-        if best.proposer != PLAIN and best.rate < self.cfg.min_gain * plain.rate:
+        if best.proposer != OFF and best.rate < self.cfg.min_gain * plain.rate:
             best = plain
         reason = self._reason(best, plain)
         probe = self._probe(best, options, context)
@@ -190,25 +235,26 @@ class Controller:
             best = probe
             self._probing = (probe.proposer, probe.k)
         self._record(best, plain, options, reason)
-        if best.proposer != PLAIN:
-            self.last_tried[best.proposer] = self.step_no
-            if probe is None:
-                self.failed_probes.pop(best.proposer, None)  # chosen on merit
-        return Decision(best.proposer, best.k)
+        if best.proposer == OFF:
+            return Decision(None, 0)
+        self.last_tried[best.proposer] = self.step_no
+        if probe is None:
+            self.failed_probes.pop(best.proposer, None)  # chosen on merit
+        return Decision(self.proposers[best.proposer], best.k)
 
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
         self.cost.observe_verify(step.proposed + 1, step.verify_s)
-        catchup = float(step.info.get("catchup_s", 0.0))
+        catchup = step.info.catchup_s
         if catchup:
-            self.cost.observe_catchup(step.proposer, int(step.info.get("catchup_tokens", 0)), catchup)
+            self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)
         probing = self._probing == (step.proposer, step.k)
         self._probing = None
         self.explore_s *= _BUDGET_DECAY
         self.total_s = self.total_s * _BUDGET_DECAY + step.seconds
-        if step.proposer != PLAIN and step.proposed:
+        if step.proposer != OFF and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
-            key = self._key(step.proposer, int(step.info.get("match_len", 0)), bool(step.info.get("from_prompt", 0)))
+            key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
             self.earned[step.proposer] = max(self.earned.get(step.proposer, 0), step.accepted)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
@@ -229,22 +275,21 @@ class Controller:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _key(self, proposer: str, match_len: int = 0, from_prompt: bool = False) -> AcceptanceKey:
-        """Acceptance is tracked per proposer, and for ngram per match: a 32-token match into the
-        prompt means the output is copying (an edit), a 2-token match is often a coincidence, and
-        a long repeat of the answer's own words (a list, a refrain) breaks off sooner than a copy.
-        Sampled requests are tracked apart: a token drawn at temperature 0.8 is accepted less
-        often than an argmax, and mixing the two would mislead both."""
-        if proposer != "ngram":
-            return AcceptanceKey(proposer, sampled=self.sampled)
-        return AcceptanceKey(proposer, match_bucket(max(match_len, self.ngram_min)), from_prompt, self.sampled)
+    def _key(self, proposer: str, evidence: Evidence = Evidence()) -> AcceptanceKey:
+        """Acceptance is tracked per proposer and per the evidence it offers (prompt lookup:
+        its match; a 32-token match into the prompt means the output is copying (an edit), a 2-token
+        match is often a coincidence, and a long repeat of the answer's own words breaks off
+        sooner than a copy). Sampled requests are tracked apart: a token drawn at temperature 0.8
+        is accepted less often than an argmax, and mixing the two would mislead both."""
+        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, self.sampled)
 
     def _prior(self, key: AcceptanceKey) -> float:
-        """Acceptance assumed before any observation. For ngram it rises with the match length
-        (prior p at length 2, then 1 - (1 - p) * 2 / m): long matches get tried at once, which
-        is what finds an editing workload quickly; data replaces the prior within a few steps."""
+        """Acceptance assumed before any observation. With evidence of strength m (prompt lookup:
+        the match length) it rises as 1 - (1 - p) * 2 / m past m = 2: long matches get tried at once,
+        which is what finds an editing workload quickly; data replaces the prior within a few
+        steps."""
         p = self.cfg.prior_acceptance
-        if key.proposer == "ngram" and key.match > 2:
+        if key.match > 2:
             return 1.0 - (1.0 - p) * 2.0 / key.match
         return p
 
@@ -253,16 +298,12 @@ class Controller:
         and what it has earned in this request)."""
         out: dict[str, tuple[AcceptanceKey, int]] = {}
         unearned = self._unearned_k()
-        for p in self.proposers:
-            earned = max(unearned, EARNED_GROWTH * self.earned.get(p, 0))
-            if p == "ngram":
-                if self.ngram_peek is None:
-                    continue
-                m = self.ngram_peek(context, self.k_max)
-                if m.tokens:  # no match: nothing to propose
-                    out[p] = (self._key(p, m.length, m.from_prompt), min(len(m.tokens), earned))
-            else:
-                out[p] = (self._key(p), min(self.k_max, earned))
+        for name, p in self.proposers.items():
+            earned = max(unearned, EARNED_GROWTH * self.earned.get(name, 0))
+            preview = p.preview(context, self.k_max)
+            if preview.available > 0:  # nothing to propose: not a candidate now
+                self._shown[name] = preview.evidence
+                out[name] = (self._key(name, preview.evidence), min(preview.available, earned))
         return out
 
     def _unearned_k(self) -> int:
@@ -271,7 +312,7 @@ class Controller:
         return max([1, *(k for k in range(1, self.k_max + 1) if self.cost.verify(k + 1) <= limit)])
 
     def _plain(self) -> Candidate:
-        return Candidate(PLAIN, 0, 1.0, self.cost.verify(1))
+        return Candidate(OFF, 0, 1.0, self.cost.verify(1))
 
     def _candidate(self, p: str, k: int, emitted: np.ndarray) -> Candidate:
         return Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
@@ -302,15 +343,15 @@ class Controller:
         key, k_avail = options[p]
         k = min(k_avail, 4)  # enough positions to learn from, cheaply
         probe = self._candidate(p, k, self.acc.expected_emitted(key))
-        catchup = self.cost.catchup(p, self.lag(p, context) if self.lag else 0)
+        catchup = self.cost.catchup(p, self.proposers[p].lag(context))
         expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * plain.seconds)
         if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
         return probe
 
     def _reason(self, best: Candidate, plain: Candidate) -> str:
-        if best.proposer == PLAIN:
-            return f"plain: no proposer beats {plain.rate:.1f} tok/s by {self.cfg.min_gain:.2f}x"
+        if best.proposer == OFF:
+            return f"off: no proposer beats {plain.rate:.1f} tok/s by {self.cfg.min_gain:.2f}x"
         return (
             f"{best.proposer} k={best.k}: expects {best.tokens:.2f} tokens in "
             f"{best.seconds * 1000:.0f} ms = {best.rate / plain.rate:.2f}x plain"
@@ -319,56 +360,40 @@ class Controller:
     def _record(
         self, best: Candidate, plain: Candidate, options: Mapping[str, tuple[AcceptanceKey, int]], reason: str
     ) -> None:
-        """The view: the choice, why, and each proposer's expected gain for every k (for ngram,
-        under the current match, or the longest-match bucket when there is none)."""
+        """The view: the choice, why, and each proposer's expected gain for every k (under the
+        evidence it offers now, or the last it offered when it has nothing to propose)."""
         v = self.view
         v.proposer, v.k, v.reason = best.proposer, best.k, reason
         v.baseline_tps = plain.rate
         gains: dict[str, list[float]] = {}
         for p in self.proposers:
-            key = options[p][0] if p in options else self._key(p, MATCH_CAP, from_prompt=True)
+            key = options[p][0] if p in options else self._key(p, self._shown.get(p, Evidence()))
             emitted = self.acc.expected_emitted(key)
             gains[p] = [round(self._candidate(p, k, emitted).rate / plain.rate, 3) for k in range(1, self.k_max + 1)]
         v.gains = gains
 
 
-def calibrate(
-    controller: Controller,
-    time_pass: Callable[[int], float],
-    passes: int = 2,
-    sizes: Sequence[int] | None = None,
-) -> dict[int, float]:
-    """Time the target's pass over n tokens (median of `passes`) and load the cost model.
-
-    time_pass(n) runs one pass over n tokens and returns seconds. Sizes default to a spread over
-    1..k_max + 1 (interpolated between), which keeps warm-up to a few seconds on a CPU.
-    """
-    n_max = controller.k_max + 1
-    if sizes is None:
-        sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, n_max} & set(range(1, n_max + 1)))
-    samples = {n: float(np.median([time_pass(n) for _ in range(passes)])) for n in sizes}
-    controller.cost.set_verify(samples)
-    return samples
-
-
 class Observed(FixedPolicy):
     """A fixed mode whose steps still teach the controller (costs, acceptance)."""
 
-    def __init__(self, proposer: str, k: int, controller: Controller) -> None:
+    def __init__(self, proposer: Proposer | None, k: int, controller: Controller) -> None:
         super().__init__(proposer, k)
         self.controller = controller
+
+    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+        self.controller.sampled = sampled  # its steps teach the estimates of their own kind
+        return super().begin(prompt, sampled)
 
     def observe(self, step: StepStats) -> None:
         self.controller.observe(step)
 
 
-def make_policy(mode: str, k: int, controller: Controller | None) -> SpeculationPolicy:
+def make_policy(mode: Mode | str, k: int, controller: Controller) -> SpeculationPolicy:
     """The policy for a request: the shared controller for auto, a fixed one otherwise (which
-    still reports its steps to the controller when there is one)."""
-    if mode == "auto":
-        if controller is None:
-            raise ValueError("auto mode needs a calibrated controller")
+    still reports its steps to the controller). k = 0 is off, whatever the mode."""
+    mode = Mode(mode)
+    if mode is Mode.AUTO:
         return controller
-    proposer, k = ("none", 0) if mode == "off" or k == 0 else (mode, k)
-    return Observed(proposer, k, controller) if controller is not None else FixedPolicy(proposer, k)
-
+    if mode is Mode.OFF or k == 0:
+        return Observed(None, 0, controller)
+    return Observed(controller.proposer(mode.value), k, controller)

@@ -5,7 +5,7 @@ machine (CostModel) and how often proposed tokens are accepted at each draft pos
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 

@@ -20,30 +20,32 @@ same code (one pass over the last token).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from homespec.speculation.proposers.base import Proposal, Proposer
-from homespec.llama.runtime import Runtime, common_prefix
+from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer
 from homespec.speculation.sampling import SamplingParams, choose, make_rng, target_view, window
+from homespec.speculation.target import Target
 from homespec.speculation.textstream import TextStream
 from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify
+from homespec.tokens import common_prefix
 
-PLAIN = "none"  # proposer name of a k = 0 step
+OFF = "off"  # the proposer name of a k = 0 step (plain decoding)
 
 
 @dataclass(frozen=True)
 class StepStats:
-    proposer: str  # "draft" | "ngram" | "mtp" | "none" (plain)
+    proposer: str  # the proposer's name, or OFF (plain decoding)
     k: int  # draft length asked for
     proposed: int  # tokens actually proposed (<= k; ngram may find fewer)
     accepted: int  # proposed tokens kept
     draft_s: float  # seconds proposing
     verify_s: float  # seconds in the target pass + verification
     outcomes: tuple[bool, ...] = ()  # per tested position: accepted?
-    info: Mapping[str, float] = field(default_factory=dict)  # proposer hints (match_len, ...)
+    info: ProposalInfo = ProposalInfo()  # the proposal's evidence and catch-up
 
     @property
     def emitted(self) -> int:
@@ -56,18 +58,18 @@ class StepStats:
 
 @dataclass(frozen=True)
 class Decision:
-    proposer: str  # a key of Engine.proposers, or PLAIN
+    proposer: Proposer | None  # None: plain decoding
     k: int
+
+    @property
+    def name(self) -> str:
+        return self.proposer.name if self.proposer is not None and self.k > 0 else OFF
 
 
 class SpeculationPolicy(Protocol):
-    def proposers_used(self) -> set[str]:
-        """Proposers this policy may pick."""
-        ...
-
-    def begin(self, prompt: Sequence[int]) -> set[str]:
-        """A generation over `prompt` starts: returns the proposers worth prefilling with it
-        (the others catch up when first used)."""
+    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+        """A generation over `prompt` starts (sampled: temperature > 0): returns the proposers
+        worth prefilling with it (the others catch up when first used)."""
         ...
 
     def decide(self, context: Sequence[int]) -> Decision: ...
@@ -76,16 +78,15 @@ class SpeculationPolicy(Protocol):
 
 
 class FixedPolicy:
-    """Always the same proposer and k (k = 0 or proposer "none": plain decoding)."""
+    """Always the same proposer and k (k = 0 or no proposer: plain decoding)."""
 
-    def __init__(self, proposer: str = PLAIN, k: int = 0) -> None:
-        self.decision = Decision(proposer if k > 0 else PLAIN, k if proposer != PLAIN else 0)
+    def __init__(self, proposer: Proposer | None = None, k: int = 0) -> None:
+        on = proposer is not None and k > 0
+        self.decision = Decision(proposer if on else None, k if on else 0)
 
-    def proposers_used(self) -> set[str]:
-        return {self.decision.proposer} - {PLAIN}
-
-    def begin(self, prompt: Sequence[int]) -> set[str]:
-        return self.proposers_used()
+    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+        p = self.decision.proposer
+        return [p] if p is not None else []
 
     def decide(self, context: Sequence[int]) -> Decision:
         return self.decision
@@ -173,11 +174,10 @@ class PromptTooLong(ValueError):
 
 
 class Engine:
-    """Owns the target runtime and the proposers; runs one generation at a time."""
+    """Drives the target through generations, one at a time; the policy brings the proposers."""
 
-    def __init__(self, target: Runtime, proposers: Mapping[str, Proposer] | None = None) -> None:
+    def __init__(self, target: Target) -> None:
         self.target = target
-        self.proposers: dict[str, Proposer] = dict(proposers or {})
 
     def generate(
         self,
@@ -198,8 +198,6 @@ class Engine:
         if len(prompt) >= self.target.n_ctx:
             raise PromptTooLong(len(prompt), self.target.n_ctx)
         policy = policy or FixedPolicy()
-        for name in policy.proposers_used() - set(self.proposers):
-            raise ValueError(f"policy wants proposer {name!r}, engine has {sorted(self.proposers)}")
         st = stats if stats is not None else GenerationStats()
         return self._run(list(prompt), params, max_tokens, stop, policy, st)
 
@@ -217,8 +215,8 @@ class Engine:
         st.prompt_tokens = len(ctx)
         st.cached_tokens = min(common_prefix(self.target.tokens, ctx), len(ctx) - 1)
         logits = self.target.sync(ctx)  # [1, vocab] after the prompt
-        for name in policy.begin(ctx):
-            self.proposers[name].begin(ctx)
+        for proposer in policy.begin(ctx, not params.greedy):
+            proposer.begin(ctx)
         st.prefill_s = time.perf_counter() - t_start
         first = choose(logits[0], params, window(ctx, params), rng)
         st.ttft_s = time.perf_counter() - t_start
@@ -238,16 +236,17 @@ class Engine:
             decision = policy.decide(ctx)
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx
             k = max(0, min(decision.k, room, max_tokens - st.completion_tokens - 1))
-            verdict, step = self._step(ctx, decision.proposer if k else PLAIN, k, params, rng)
+            verdict, step = self._step(ctx, decision.proposer if k else None, k, params, rng)
             policy.observe(step)
             st.add(step)
             event = out.emit(ctx, verdict.tokens, step)
 
     def _step(
-        self, ctx: list[int], name: str, k: int, params: SamplingParams, rng: np.random.Generator
+        self, ctx: list[int], proposer: Proposer | None, k: int, params: SamplingParams, rng: np.random.Generator
     ) -> tuple[Verdict, StepStats]:
-        """One speculative step over ctx (not modified here)."""
-        proposal = self.proposers[name].propose(ctx, k, params, rng) if k else Proposal([])
+        """One speculative step over ctx (not modified here); k = 0 or no proposer: plain."""
+        proposal = proposer.propose(ctx, k, params, rng) if proposer is not None else Proposal([])
+        name = proposer.name if proposer is not None else OFF
         d = proposal.tokens[:k]
         t0 = time.perf_counter()
         logits = self.target.eval([ctx[-1], *d], output="all")  # [len(d) + 1, vocab]
@@ -265,7 +264,7 @@ class Engine:
 class _Emitter:
     """Appends verified tokens to ctx and applies the stop conditions, token by token."""
 
-    def __init__(self, target: Runtime, text: TextStream, max_tokens: int, st: GenerationStats) -> None:
+    def __init__(self, target: Target, text: TextStream, max_tokens: int, st: GenerationStats) -> None:
         self.target, self.text, self.max_tokens, self.st = target, text, max_tokens, st
 
     def emit(self, ctx: list[int], tokens: list[int], step: StepStats | None) -> Event:

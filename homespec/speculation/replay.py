@@ -12,15 +12,16 @@ need the model), and near-tie tokens where batched and single passes disagree.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from homespec.speculation.controller import Controller
-from homespec.speculation.engine import PLAIN, FixedPolicy, SpeculationPolicy, StepStats, StepTally
 from homespec.speculation.costs import CostModel
+from homespec.speculation.engine import OFF, FixedPolicy, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.proposers.base import ProposalInfo
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
 from homespec.speculation.verify import greedy_verify
@@ -59,20 +60,20 @@ def replay(
     out = StepTally()
     rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
     for rec in recordings:
-        if "ngram" in policy.begin(rec.prompt):
-            ngram.begin(rec.prompt)
+        for p in policy.begin(rec.prompt, False):
+            p.begin(rec.prompt)
         ctx, t = [*rec.prompt, rec.output[0]], 1
         while t < len(rec.output):
             d = policy.decide(ctx)
-            if d.proposer not in ("ngram", PLAIN):
-                raise ValueError(f"replay has only ngram proposals; the policy chose {d.proposer!r}")
-            k = min(d.k, len(rec.output) - t - 1) if d.proposer == "ngram" else 0
+            if d.proposer not in (None, ngram):
+                raise ValueError(f"replay has only ngram proposals; the policy chose {d.name!r}")
+            k = min(d.k, len(rec.output) - t - 1) if d.proposer is ngram else 0
             proposal = ngram.propose(ctx, k, _GREEDY, rng) if k else None
             drafted = proposal.tokens[:k] if proposal else []
             # The recorded output is the target's argmax after each drafted prefix.
             verdict = greedy_verify(drafted, np.asarray(rec.output[t : t + len(drafted) + 1]))
-            info = proposal.info if proposal else {}
-            step = StepStats("ngram" if k else PLAIN, k, len(drafted), verdict.accepted, 0.0,
+            info = proposal.info if proposal else ProposalInfo()
+            step = StepStats(ngram.name if k else OFF, k, len(drafted), verdict.accepted, 0.0,
                              pass_s(len(drafted) + 1), tuple(verdict.outcomes), info)
             policy.observe(step)
             out.add(step)
@@ -95,11 +96,12 @@ def compare(
     def speed(recs: Sequence[Recording], policy: SpeculationPolicy, ngram: NgramProposer) -> float:
         return rate(replay(recs, policy, ngram, pass_s))
 
-    plain = {w: speed(r, FixedPolicy(), NgramProposer(*ngram_n)) for w, r in workloads.items()}
-    table = {
-        f"ngram k={k}": {w: speed(r, FixedPolicy("ngram", k), NgramProposer(*ngram_n)) / plain[w] for w, r in workloads.items()}
-        for k in fixed_k
-    }
+    def fixed(recs: Sequence[Recording], k: int) -> float:
+        ngram = NgramProposer(*ngram_n)
+        return speed(recs, FixedPolicy(ngram, k), ngram)
+
+    plain = {w: fixed(r, 0) for w, r in workloads.items()}
+    table = {f"ngram k={k}": {w: fixed(r, k) / plain[w] for w, r in workloads.items()} for k in fixed_k}
     names = list(workloads)
     orders = orders or [names[i:] + names[:i] for i in range(len(names))]  # each workload once first
     auto: dict[str, float] = {}

@@ -11,7 +11,7 @@ Two things make streaming text from tokens subtle:
 from __future__ import annotations
 
 import codecs
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 class TextStream:

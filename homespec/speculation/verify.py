@@ -22,8 +22,8 @@ q = onehot(d_i): accept with probability p_i(d_i); on rejection draw from p_i wi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 

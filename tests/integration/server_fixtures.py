@@ -12,8 +12,8 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -30,8 +30,8 @@ from homespec.config import (
     ServerConfig,
     SpeculationConfig,
 )
-from homespec.serving.daemon import Daemon
 from homespec.serving.app import create_app
+from homespec.serving.daemon import Daemon
 from tests.conftest import DRAFT, ROOT, TARGET, require
 
 API_KEY = "test-key-0123456789"
@@ -66,7 +66,7 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_
     while time.monotonic() < deadline:
         try:
             result = check()
-        except Exception as e:  # noqa: BLE001 - keep polling; report the last error
+        except Exception as e:  # keep polling; report the last error
             last_error = e
             result = None
         if result:
@@ -92,7 +92,7 @@ class ThreadServer:
     def _run(self) -> None:
         asyncio.run(self.server.serve(sockets=[self.sock]))
 
-    def start(self) -> "ThreadServer":
+    def start(self) -> ThreadServer:
         self.thread.start()
         wait_for(lambda: self.server.started, 60, f"uvicorn on {self.url} to start")
         return self

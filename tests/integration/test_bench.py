@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from homespec.serving.bench import Workload, parse_arms, run_bench
 from homespec.cli.bench import format_report
 from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, SpeculationConfig
-from homespec.models.loader import runtime_options
 from homespec.llama.runtime import ReferenceDecoder
-from homespec.serving.host import Session
+from homespec.models.loader import runtime_options
+from homespec.serving.bench import Workload, parse_arms, run_bench
+from homespec.serving.host import Host
 from tests.conftest import ROOT, TARGET, require
 
 pytestmark = pytest.mark.integration
@@ -28,9 +28,9 @@ def test_bench_runs_every_arm_on_every_prompt_and_reports_speedups_against_plain
         [{"role": "user", "content": f"Return this file unchanged:\n```python\n{CODE}```"}],
         [{"role": "user", "content": f"Rename `w` to `width` in this file:\n```python\n{CODE}```"}],
     ])
-    arms = parse_arms("plain,reference,ngram:2,auto")
+    arms = parse_arms("off,reference,ngram:2,auto")
     log: list[str] = []
-    with Session.open(cfg) as session:
+    with Host.open(cfg) as session:
         reference = ReferenceDecoder(session.models.target_path, runtime_options(cfg, 0))
         try:
             report = run_bench(session, [edit], arms, max_tokens=8, reference=reference, progress=log.append, rounds=2)
@@ -39,13 +39,13 @@ def test_bench_runs_every_arm_on_every_prompt_and_reports_speedups_against_plain
 
     # Prompt by prompt, every other one in reverse arm order: no arm is always first or last.
     order = [line.split()[2] for line in log]
-    forward = ["plain", "llama.cpp", "ngram", "auto"]
+    forward = ["off", "llama.cpp", "ngram", "auto"]
     assert order == (forward + forward[::-1]) * 2
     assert [line.split()[1] for line in log[::4]] == ["#1", "#2", "#1", "#2"]  # two rounds
     rows = {r.arm: r for r in report.results}
-    assert set(rows) == {"plain", "llama.cpp", "ngram k=2", "auto"}
+    assert set(rows) == {"off", "llama.cpp", "ngram k=2", "auto"}
     assert all(r.runs == 4 and r.tokens == 32 for r in rows.values())
-    assert rows["plain"].speedup == pytest.approx(1.0)
+    assert rows["off"].speedup == pytest.approx(1.0)
     assert rows["ngram k=2"].tally.proposed > 0  # the copy gives ngram something to propose
     assert rows["auto"].tally.steps > 0 and rows["auto"].expected_gain is not None
     assert all(0 <= r.same_as_plain <= 4 for r in rows.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
-from homespec.serving.host import GenerationRequest, Session, UnknownMode
+from homespec.serving.host import GenerationRequest, Host, UnknownMode
 from tests.conftest import DRAFT, ROOT, TARGET, require
 
 pytestmark = pytest.mark.integration
@@ -17,7 +17,7 @@ def test_unloading_the_draft_keeps_serving_and_reloading_restores_it():
         runtime=RuntimeConfig(n_ctx=512, n_batch=128),
         base_dir=ROOT,
     )
-    with Session.open(cfg, calibrate=False) as s:
+    with Host.open(cfg, calibrate=False) as s:
         prompt = s.models.encode_chat([{"role": "user", "content": "Count from 1 to 5."}])
         s.unload_draft()
         assert s.models.draft is None and "draft" not in s.controller.proposers

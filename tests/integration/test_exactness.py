@@ -38,7 +38,7 @@ def generate(engine, prompt, policy):
 def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt, draft_rt, epsilon, proposer, k):
     rec = Recording(target_rt)
     proposers = {"ngram": NgramProposer(2, 5), "draft": DraftProposer(draft_rt, target_rt.n_vocab)}
-    engine = Engine(rec, proposers)
+    engine = Engine(rec)
     near_ties, diverged, proposed = 0, 0, 0
     for text in PROMPTS:
         prompt = encode(target_rt, text)
@@ -46,7 +46,7 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
         plain, _ = generate(engine, prompt, FixedPolicy())
         plain_margins = {pos: margin(row) for pos, row in rec.rows}
         rec.rows.clear()
-        spec, st = generate(engine, prompt, FixedPolicy(proposer, k))
+        spec, st = generate(engine, prompt, FixedPolicy(proposers[proposer], k))
         proposed += st.proposed
         # (a) every emitted token after the first is the argmax of the logits that verified it.
         verified = dict(rec.rows)
@@ -77,10 +77,11 @@ def test_self_speculation_accepts_nearly_everything(draft_rt):
 
     twin = Runtime(DRAFT, OPTS)
     try:
-        engine = Engine(draft_rt, {"draft": DraftProposer(twin, draft_rt.n_vocab)})
+        engine = Engine(draft_rt)
+        policy = FixedPolicy(DraftProposer(twin, draft_rt.n_vocab), 4)
         total_p = total_a = 0
         for text in PROMPTS[:2]:
-            _, st = generate(engine, encode(draft_rt, text), FixedPolicy("draft", 4))
+            _, st = generate(engine, encode(draft_rt, text), policy)
             total_p += st.proposed
             total_a += st.accepted
         print(f"\nself-speculation: {total_a}/{total_p} accepted")

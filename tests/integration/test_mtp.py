@@ -107,15 +107,15 @@ def untrained_head(tmp_path_factory):
 @pytest.mark.integration
 def test_a_configured_head_is_served_with_the_hidden_window_and_its_cost_calibrated(untrained_head):
     from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
-    from homespec.speculation.proposers.mtp import head_window
-    from homespec.serving.host import GenerationRequest, Session
+    from homespec.mtp.checkpoint import head_window
+    from homespec.serving.host import GenerationRequest, Host
 
     cfg = Config(
         models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None, mtp=untrained_head),
         runtime=RuntimeConfig(n_ctx=512, n_batch=128),
     )
-    with Session.open(cfg) as s:
-        assert "mtp" in s.models.engine.proposers and s.models.mtp_path == untrained_head
+    with Host.open(cfg) as s:
+        assert "mtp" in s.controller.proposers and s.models.mtp_path == untrained_head
         assert s.models.target.opts.hidden_window == head_window(untrained_head)
         per_token = s.controller.cost.propose_s["mtp"]  # seconds per proposed token
         assert 0 < per_token < s.calibration["target"][1]  # a head costs a fraction of a pass
@@ -128,7 +128,8 @@ def test_a_configured_head_is_served_with_the_hidden_window_and_its_cost_calibra
 @pytest.fixture(scope="module", params=["trained", "untrained"])
 def mtp_engine_parts(request):
     pytest.importorskip("torch", reason="the MTP head needs torch: pip install 'homespec[mtp]'")
-    from homespec.speculation.proposers.mtp import head_window, open_mtp
+    from homespec.mtp.checkpoint import head_window, open_head
+    from homespec.speculation.proposers.mtp import MTPProposer
 
     if request.param == "trained":
         if not HEAD.exists():
@@ -137,7 +138,7 @@ def mtp_engine_parts(request):
     else:
         head = request.getfixturevalue("untrained_head")
     rt = Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, hidden_window=head_window(head)))
-    prop = open_mtp(rt, head, TARGET)
+    prop = MTPProposer(rt, open_head(rt, head, TARGET))
     yield rt, prop, request.param == "trained"
     rt.close()
 
@@ -162,7 +163,7 @@ def test_greedy_mtp_speculation_matches_plain_decoding_except_at_near_ties(mtp_e
 
     rt, prop, trained = mtp_engine_parts
     rec = Recording(rt)
-    engine = Engine(rec, {"mtp": prop})
+    engine = Engine(rec)
     proposed = accepted = diverged = 0
     firsts: list[bool] = []
     for text in PROMPTS:
@@ -171,7 +172,7 @@ def test_greedy_mtp_speculation_matches_plain_decoding_except_at_near_ties(mtp_e
         plain, _, _ = _generate(engine, prompt, FixedPolicy())
         plain_margins = {pos: margin(row) for pos, row in rec.rows}
         rec.rows.clear()
-        spec, st, first = _generate(engine, prompt, FixedPolicy("mtp", k))
+        spec, st, first = _generate(engine, prompt, FixedPolicy(prop, k))
         proposed += st.proposed
         accepted += st.accepted
         firsts += first

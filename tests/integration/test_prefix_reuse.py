@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from homespec.llama.prefix_cache import PrefixCache
 from homespec.llama.template import ChatTemplate
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
-from homespec.llama.prefix_cache import PrefixCache
-from homespec.llama.runtime import common_prefix
+from homespec.tokens import common_prefix
 from tests.integration.exactness import Recording, first_divergence, margin
 
 SYSTEM_A = "You are a terse assistant for a home automation server. " * 12

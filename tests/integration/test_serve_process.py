@@ -11,8 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
@@ -144,7 +144,7 @@ def refused(url: str) -> bool:
     return True
 
 
-def test_sigterm_lets_the_inflight_stream_finish_refuses_new_work_and_exits_0(tmp_path: Path, start) -> None:  # noqa: ANN001
+def test_sigterm_lets_the_inflight_stream_finish_refuses_new_work_and_exits_0(tmp_path: Path, start) -> None:
     drain_s = 240  # far more than the stream needs: the property is "it completes"
     d = start(write_config(tmp_path, drain_s))
     d.wait_ready()
@@ -168,7 +168,7 @@ def test_sigterm_lets_the_inflight_stream_finish_refuses_new_work_and_exits_0(tm
     assert "draining" in log and "homespec.serve: stopped" in log and "Traceback" not in log, log[-3000:]
 
 
-def test_sigterm_cuts_a_stream_longer_than_the_drain_bound_and_exits_0(tmp_path: Path, start) -> None:  # noqa: ANN001
+def test_sigterm_cuts_a_stream_longer_than_the_drain_bound_and_exits_0(tmp_path: Path, start) -> None:
     drain_s = 3
     d = start(write_config(tmp_path, drain_s))
     d.wait_ready()

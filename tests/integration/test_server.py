@@ -122,7 +122,7 @@ def metrics_text(s: Served) -> str:
     return r.text
 
 
-def sse_events(lines) -> list:  # noqa: ANN001 - an iterator of str lines
+def sse_events(lines) -> list:
     """Parse `data:` lines of a server-sent event stream; stops at [DONE] (included as "[DONE]")."""
     out: list = []
     for line in lines:
@@ -371,7 +371,7 @@ def test_auth_accepts_the_right_key_and_leaves_health_open(served: Served) -> No
 # -- cancellation, concurrency, backpressure ----------------------------------------------------
 
 
-def _last_request_after(served: Served, n_before: int):  # noqa: ANN202
+def _last_request_after(served: Served, n_before: int):
     view = wait_for(lambda: (v := stats(served)).speed.requests_served > n_before and v, WAIT_S, "the request to be recorded", 0.2)
     return view.requests[0]
 
@@ -421,7 +421,7 @@ def test_concurrent_clients_each_get_their_complete_sequential_answer(served: Se
     want = [reference(served, p, n) for p, n in prompts]  # sequential, speculation off
     wait_idle(served)
 
-    def ask(item: tuple[str, int]):  # noqa: ANN202
+    def ask(item: tuple[str, int]):
         p, n = item
         r = oai(served).chat.completions.create(model=served.model, messages=[{"role": "user", "content": p}], max_tokens=n)
         return r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens

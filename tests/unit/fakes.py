@@ -8,11 +8,14 @@ weights and without llama.cpp's batch noise.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from homespec.llama.runtime import ContextFull, common_prefix
+from homespec.llama.runtime import ContextFull
+from homespec.speculation.proposers.base import Preview
+from homespec.speculation.proposers.ngram import Match, NgramProposer
+from homespec.tokens import common_prefix
 
 
 class FakeRuntime:
@@ -73,6 +76,46 @@ class FakeRuntime:
         if token == self.eos:
             return b""
         return chr(ord("a") + token % 26).encode() if token < 26 else f"[{token}]".encode()
+
+    def close(self) -> None:
+        pass
+
+
+class ScriptedNgram(NgramProposer):
+    """Prompt lookup whose match is scripted (`peek(context, k) -> Match`): the controller sees
+    it through the Proposer protocol exactly as it sees the real one."""
+
+    def __init__(self, peek) -> None:
+        super().__init__(2, 12)
+        self.peek = peek
+
+    def match(self, context: Sequence[int], k: int) -> Match:
+        return self.peek(context, k)
+
+
+class ScriptedModel:
+    """A model proposer for the controller: always has k tokens, never lags; its proposals are
+    played by the test (the controller never calls propose)."""
+
+    free_prefill = False
+
+    def __init__(self, name: str = "draft") -> None:
+        self.name = name
+
+    def begin(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def preview(self, context: Sequence[int], k: int) -> Preview:
+        return Preview(k)
+
+    def lag(self, context: Sequence[int]) -> int:
+        return 0
+
+    def propose(self, context, k, params, rng):
+        raise AssertionError("scripted: the test plays the proposals")
+
+    def measure_cost(self, context, probe, passes) -> None:
+        return None
 
     def close(self) -> None:
         pass

@@ -7,8 +7,11 @@ import pytest
 
 from homespec.config import ControllerConfig
 from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
-from homespec.speculation.engine import PLAIN, StepStats
+from homespec.speculation.engine import OFF, StepStats
+from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import Match
+
+from .fakes import ScriptedModel, ScriptedNgram
 
 K_MAX = 16
 
@@ -36,7 +39,8 @@ class Machine:
         return Match([1] * min(k, self.ngram_cont), 5) if self.ngram_cont else Match([])
 
     def controller(self, proposers=("draft", "ngram"), **cfg) -> Controller:
-        c = Controller(list(proposers), ControllerConfig(**cfg), k_max=K_MAX, ngram_peek=self.peek)
+        made = [ScriptedNgram(self.peek) if p == "ngram" else ScriptedModel(p) for p in proposers]
+        c = Controller(made, ControllerConfig(**cfg), k_max=K_MAX)
         c.cost.set_verify({n: self.cost(n) for n in range(1, K_MAX + 2)})
         c.cost.propose_s["draft"] = self.draft_s
         return c
@@ -45,13 +49,15 @@ class Machine:
         d = c.decide(self.ctx)
         outcomes: list[bool] = []
         for _ in range(d.k):
-            ok = bool(self.rng.random() < self.acceptance.get(d.proposer, 0.0))
+            ok = bool(self.rng.random() < self.acceptance.get(d.name, 0.0))
             outcomes.append(ok)
             if not ok:
                 break
         n = sum(outcomes)
-        draft_s = self.draft_s * d.k if d.proposer == "draft" else 0.0
-        s = StepStats(d.proposer, d.k, d.k, n, draft_s, self.cost(d.k + 1), tuple(outcomes), {"match_len": 5.0})
+        draft_s = self.draft_s * d.k if d.name == "draft" else 0.0
+        # the evidence the proposer offered for this context, as a real proposal carries it
+        info = ProposalInfo(d.proposer.preview(self.ctx, d.k).evidence) if d.proposer else ProposalInfo()
+        s = StepStats(d.name, d.k, d.k, n, draft_s, self.cost(d.k + 1), tuple(outcomes), info)
         c.observe(s)
         self.ctx += [1] * (n + 1)
         return s
@@ -65,8 +71,8 @@ def test_picks_plain_decoding_when_verification_is_expensive_and_acceptance_low(
     c = m.controller()
     steps = m.run(c, 300)
     late = steps[100:]
-    assert sum(s.proposer == PLAIN for s in late) / len(late) > 0.9
-    assert c.view.proposer == PLAIN and c.view.k == 0
+    assert sum(s.proposer == OFF for s in late) / len(late) > 0.9
+    assert c.view.proposer == OFF and c.view.k == 0
 
 
 def test_picks_large_k_when_verification_is_cheap_and_acceptance_high():
@@ -88,7 +94,7 @@ def test_on_a_cpu_a_perfect_ngram_copy_uses_long_drafts():
 def test_ngram_without_a_match_is_never_chosen():
     m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=0)
     c = m.controller(proposers=("ngram",))
-    assert all(s.proposer == PLAIN for s in m.run(c, 50))
+    assert all(s.proposer == OFF for s in m.run(c, 50))
 
 
 def test_ngram_k_is_capped_by_the_continuation_it_has():
@@ -104,7 +110,7 @@ def test_switches_speculation_off_within_bounded_steps_after_acceptance_drops():
     assert c.view.proposer == "draft"
     m.acceptance["draft"] = 0.0
     steps = m.run(c, 60)
-    first_plain = next(i for i, s in enumerate(steps) if s.proposer == PLAIN)
+    first_plain = next(i for i, s in enumerate(steps) if s.proposer == OFF)
     assert first_plain <= 30, f"still drafting {first_plain} steps after acceptance fell to 0"
 
 
@@ -112,7 +118,7 @@ def test_returns_to_speculation_within_bounded_steps_after_acceptance_recovers()
     m = Machine(cpu_cost, {"draft": 0.0}, draft_s=0.01, ngram_cont=0)
     c = m.controller(proposers=("draft",), explore_every=16)
     m.run(c, 200)
-    assert c.view.proposer == PLAIN
+    assert c.view.proposer == OFF
     m.acceptance["draft"] = 1.0
     steps = m.run(c, 400)
     first_streak = next(
@@ -140,8 +146,8 @@ def test_decisions_are_deterministic_for_the_same_observations():
 
 
 def test_uncalibrated_controller_decodes_plainly():
-    c = Controller(["draft"], ControllerConfig(), k_max=K_MAX)
-    assert c.decide([1, 2, 3]).proposer == PLAIN
+    c = Controller([ScriptedModel("draft")], ControllerConfig(), k_max=K_MAX)
+    assert c.decide([1, 2, 3]).name == OFF
 
 
 def test_view_reports_baseline_speedup_and_gain_per_k():
@@ -160,15 +166,15 @@ def test_a_proposer_that_cannot_pay_even_when_always_right_is_never_probed():
     m = Machine(cpu_cost, {"draft": 1.0}, draft_s=0.06, ngram_cont=0)
     c = m.controller(proposers=("draft",), explore_every=2)
     steps = m.run(c, 500)
-    assert all(s.proposer == PLAIN for s in steps)
-    assert c.begin([1, 2, 3]) == set()
+    assert all(s.proposer == OFF for s in steps)
+    assert c.begin([1, 2, 3]) == []
 
 
 def test_a_long_ngram_match_is_tried_on_first_sight():
     m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=16)  # peek reports match length 5
     c = m.controller(proposers=("ngram",))
-    c.ngram_peek = lambda ctx, k: Match([1] * 16, 12, from_prompt=True)  # the output is copying the prompt
-    assert c.decide([0] * 20).proposer == "ngram"
+    c.proposers["ngram"].peek = lambda ctx, k: Match([1] * 16, 12, from_prompt=True)  # the output is copying the prompt
+    assert c.decide([0] * 20).name == "ngram"
 
 
 def test_a_long_copy_of_the_prompt_and_a_long_repeat_of_the_answer_are_learned_apart():
@@ -179,37 +185,37 @@ def test_a_long_copy_of_the_prompt_and_a_long_repeat_of_the_answer_are_learned_a
     copy, repeat = Match([1] * 16, 32, from_prompt=True), Match([1] * 16, 32, from_prompt=False)
     for i in range(60):
         match = copy if i % 2 else repeat
-        c.ngram_peek = lambda ctx, k, match=match: match
+        c.proposers["ngram"].peek = lambda ctx, k, match=match: match
         d = c.decide(m.ctx)
         n = d.k if match is copy else 0
         outcomes = (True,) * n if n == d.k else (False,)
-        info = {"match_len": 32.0, "from_prompt": float(match.from_prompt)}
-        c.observe(StepStats(d.proposer, d.k, d.k, n, 0.0, cpu_cost(d.k + 1), outcomes[: d.k], info))
-    c.ngram_peek = lambda ctx, k: copy
+        info = ProposalInfo(Evidence(32, match.from_prompt))
+        c.observe(StepStats(d.name, d.k, d.k, n, 0.0, cpu_cost(d.k + 1), outcomes[: d.k], info))
+    c.proposers["ngram"].peek = lambda ctx, k: copy
     on_copy = c.decide(m.ctx)
-    c.ngram_peek = lambda ctx, k: repeat
+    c.proposers["ngram"].peek = lambda ctx, k: repeat
     on_repeat = c.decide(m.ctx)
-    assert on_copy.proposer == "ngram" and on_copy.k >= 8
-    assert on_repeat.proposer == PLAIN
+    assert on_copy.name == "ngram" and on_copy.k >= 8
+    assert on_repeat.name == OFF
 
 
 def test_in_a_new_request_long_drafts_are_earned_by_accepted_runs_where_verification_is_costly():
     copy = Match([1] * 16, 32, from_prompt=True)  # the prior trusts a 32-token copy: ~0.97 a token
     m = Machine(cpu_cost, {})
     c = m.controller(proposers=("ngram",))
-    c.ngram_peek = lambda ctx, k: copy
+    c.proposers["ngram"].peek = lambda ctx, k: copy
     c.begin([0] * 10)
     ks = []
     for _ in range(2):
         d = c.decide(m.ctx)
         ks.append(d.k)
-        c.observe(StepStats("ngram", d.k, d.k, d.k, 0.0, cpu_cost(d.k + 1), (True,) * d.k, {"match_len": 32.0, "from_prompt": 1.0}))
+        c.observe(StepStats("ngram", d.k, d.k, d.k, 0.0, cpu_cost(d.k + 1), (True,) * d.k, ProposalInfo(Evidence(32, True))))
     # 4 = the longest draft verified within 3 passes on this curve; a run of 4 accepted earns 16
     assert ks == [4, 16]
     c.begin([0] * 10)  # the next request earns its own
     assert c.decide(m.ctx).k == 4
     g = Machine(gpu_cost, {}).controller(proposers=("ngram",))  # flat curve: nothing to earn
-    g.ngram_peek = lambda ctx, k: copy
+    g.proposers["ngram"].peek = lambda ctx, k: copy
     g.begin([0] * 10)
     assert g.decide(m.ctx).k == 16
 
@@ -219,13 +225,13 @@ def test_sampled_and_greedy_requests_learn_acceptance_separately():
     c = m.controller(proposers=("draft",))
     m.run(c, 100)  # greedy: drafting pays
     assert c.view.proposer == "draft"
-    c.sampled = True
+    c.begin([0] * 10, sampled=True)
     m.acceptance["draft"] = 0.0
     m.run(c, 60)  # sampled requests reject everything
-    assert c.view.proposer == PLAIN
-    c.sampled = False
+    assert c.view.proposer == OFF
+    c.begin([0] * 10, sampled=False)
     m.acceptance["draft"] = 0.95
-    assert c.decide([0] * 20).proposer == "draft"  # greedy estimates were not dragged down
+    assert c.decide([0] * 20).name == "draft"  # greedy estimates were not dragged down
 
 
 def test_fixed_mode_steps_still_teach_the_controller():
@@ -234,9 +240,9 @@ def test_fixed_mode_steps_still_teach_the_controller():
     m = Machine(cpu_cost, {"ngram": 1.0})
     c = m.controller(proposers=("ngram",))
     policy = make_policy("ngram", 4, c)
-    before = c.acc.observations(c._key("ngram", 5))
-    policy.observe(StepStats("ngram", 4, 4, 4, 0.0, cpu_cost(5), (True,) * 4, {"match_len": 5.0}))
-    assert c.acc.observations(c._key("ngram", 5)) == before + 1
+    before = c.acc.observations(c._key("ngram", Evidence(5)))
+    policy.observe(StepStats("ngram", 4, 4, 4, 0.0, cpu_cost(5), (True,) * 4, ProposalInfo(Evidence(5))))
+    assert c.acc.observations(c._key("ngram", Evidence(5))) == before + 1
 
 
 def test_cost_model_follows_a_machine_wide_slowdown_for_sizes_it_does_not_use():
@@ -244,7 +250,7 @@ def test_cost_model_follows_a_machine_wide_slowdown_for_sizes_it_does_not_use():
     c = m.controller(proposers=("draft",))
     v17 = c.cost.verify(17)
     for _ in range(15):  # the machine gets 2x slower; only plain steps (n = 1) are observed
-        c.observe(StepStats(PLAIN, 0, 0, 0, 0.0, 2 * cpu_cost(1)))
+        c.observe(StepStats(OFF, 0, 0, 0, 0.0, 2 * cpu_cost(1)))
     assert c.cost.verify(1) == pytest.approx(2 * cpu_cost(1), rel=0.05)
     assert c.cost.verify(17) == pytest.approx(2 * v17, rel=0.05)
     c.decide([0] * 10)
@@ -269,5 +275,5 @@ def test_a_proposer_that_pays_only_when_every_token_is_accepted_is_never_probed(
     c = m.controller(proposers=("draft",), explore_every=4)
     c.acc.observe(c._key("draft"), [False, False, False, False])  # a first look that went badly
     steps = m.run(c, 400)
-    assert all(s.proposer == PLAIN for s in steps)
+    assert all(s.proposer == OFF for s in steps)
     assert c.view.probes == 0

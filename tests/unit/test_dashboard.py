@@ -78,7 +78,7 @@ def scripted_stats() -> StatsView:
                           "ngram": [1.02, 0.97, 0.91, 0.84, 0.78, 0.71, 0.66, 0.60]},
                 "acceptance_rate": 0.82, "acceptance_length": 3.1, "per_position": [0.95, 0.88, 0.79, 0.70],
                 "draft_ms_per_step": 71.0, "verify_ms_per_step": 148.0, "draft_share": 0.32,
-                "chosen": {"draft:4": 120, "ngram:2": 30, "none:0": 5},
+                "chosen": {"draft:4": 120, "ngram:2": 30, "off:0": 5},
             },
             "memory": {
                 "ram_total_mib": 7936.0, "ram_available_mib": 2662.4, "reserve_mib": 1024.0,

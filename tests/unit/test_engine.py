@@ -20,10 +20,16 @@ def make_engine(target_seed=0, draft_seed=None, **kw):
     proposers = {"ngram": NgramProposer(1, 3)}
     if draft_seed is not None:
         proposers["draft"] = DraftProposer(FakeRuntime(seed=draft_seed, **kw), target.n_vocab)
-    return Engine(target, proposers)
+    engine = Engine(target)
+    engine.proposers = proposers  # the rig's proposers by name, for run()'s (name, k) policies
+    return engine
 
 
 def run(engine, prompt=PROMPT, policy=None, **kw):
+    """policy: a SpeculationPolicy, or (proposer name, k) for a fixed one over the rig's proposers."""
+    if isinstance(policy, tuple):
+        name, k = policy
+        policy = FixedPolicy(engine.proposers[name], k)
     st = GenerationStats()
     events = list(engine.generate(prompt, policy=policy, stats=st, **kw))
     tokens = [t for e in events for t in e.tokens]
@@ -43,21 +49,21 @@ def plain(prompt=PROMPT, **kw):
 def test_greedy_output_matches_plain_decoding(proposer, draft_seed, k):
     ref, ref_text, _, _ = plain(max_tokens=60)
     eng = make_engine(draft_seed=draft_seed if draft_seed is not None else 1)
-    out, text, _, st = run(eng, policy=FixedPolicy(proposer, k), max_tokens=60)
+    out, text, _, st = run(eng, policy=(proposer, k), max_tokens=60)
     assert out == ref and text == ref_text
     assert st.proposed > 0
 
 
 def test_self_speculation_accepts_every_proposed_token():
     eng = make_engine(draft_seed=0)  # the draft is the target
-    _, _, _, st = run(eng, policy=FixedPolicy("draft", 4), max_tokens=41)
+    _, _, _, st = run(eng, policy=("draft", 4), max_tokens=41)
     assert st.accepted == st.proposed > 0
     assert st.acceptance_length == pytest.approx(5.0)
 
 
 def test_wrong_draft_still_emits_one_token_per_step():
     eng = make_engine(draft_seed=99)
-    _, _, _, st = run(eng, policy=FixedPolicy("draft", 3), max_tokens=30)
+    _, _, _, st = run(eng, policy=("draft", 3), max_tokens=30)
     assert st.steps >= 1 and st.acceptance_length >= 1.0
     assert st.completion_tokens == 30
 
@@ -65,9 +71,9 @@ def test_wrong_draft_still_emits_one_token_per_step():
 @pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.9)])
 def test_sampled_output_is_reproducible_with_seed(temperature, top_p):
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=11)
-    a, _, _, _ = run(make_engine(draft_seed=3), policy=FixedPolicy("draft", 3), params=params, max_tokens=40)
-    b, _, _, _ = run(make_engine(draft_seed=3), policy=FixedPolicy("draft", 3), params=params, max_tokens=40)
-    c, _, _, _ = run(make_engine(draft_seed=3), policy=FixedPolicy("draft", 3), params=SamplingParams(temperature=temperature, top_p=top_p, seed=12), max_tokens=40)
+    a, _, _, _ = run(make_engine(draft_seed=3), policy=("draft", 3), params=params, max_tokens=40)
+    b, _, _, _ = run(make_engine(draft_seed=3), policy=("draft", 3), params=params, max_tokens=40)
+    c, _, _, _ = run(make_engine(draft_seed=3), policy=("draft", 3), params=SamplingParams(temperature=temperature, top_p=top_p, seed=12), max_tokens=40)
     assert a == b and a != c
 
 
@@ -75,7 +81,7 @@ def test_sampled_speculative_tokens_always_have_target_support():
     """Every emitted token must be possible under the target's truncated distribution."""
     params = SamplingParams(temperature=0.8, top_k=3, seed=5)
     eng = make_engine(draft_seed=4)
-    out, _, _, _ = run(eng, policy=FixedPolicy("draft", 4), params=params, max_tokens=50)
+    out, _, _, _ = run(eng, policy=("draft", 4), params=params, max_tokens=50)
     ref = FakeRuntime(seed=0)
     ctx = list(PROMPT)
     for tok in out:
@@ -86,7 +92,7 @@ def test_sampled_speculative_tokens_always_have_target_support():
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 13])
 def test_max_tokens_respected_even_mid_step(max_tokens):
-    out, _, events, st = run(make_engine(draft_seed=0), policy=FixedPolicy("draft", 5), max_tokens=max_tokens)
+    out, _, events, st = run(make_engine(draft_seed=0), policy=("draft", 5), max_tokens=max_tokens)
     assert len(out) == max_tokens == st.completion_tokens
     assert events[-1].finish_reason == "length"
 
@@ -95,7 +101,7 @@ def test_stop_string_spanning_steps_is_never_emitted():
     ref_tokens, ref_text, _, _ = plain(max_tokens=60)
     stop = ref_text[20:23]  # three characters from the middle of the plain output
     first = ref_text.index(stop)
-    for policy in (FixedPolicy(), FixedPolicy("draft", 4)):
+    for policy in (FixedPolicy(), ("draft", 4)):
         _, text, events, _ = run(make_engine(draft_seed=0), policy=policy, max_tokens=60, stop=[stop])
         assert text == ref_text[:first]
         assert events[-1].finish_reason == "stop"
@@ -111,7 +117,7 @@ def test_eos_ends_generation_without_emitting_its_text():
 
 def test_full_context_stops_with_a_reason_not_an_exception():
     eng = make_engine(draft_seed=0, n_ctx=40)
-    out, _, events, st = run(eng, policy=FixedPolicy("draft", 8), max_tokens=1000)
+    out, _, events, st = run(eng, policy=("draft", 8), max_tokens=1000)
     assert events[-1].finish_reason == "context"
     assert len(PROMPT) + len(out) == 40
 
@@ -125,7 +131,7 @@ def test_prompt_longer_than_context_is_refused_before_any_work():
 def test_target_cache_holds_all_committed_tokens_but_the_last_after_every_step():
     eng = make_engine(draft_seed=2)
     ctx = list(PROMPT)
-    for ev in eng.generate(PROMPT, policy=FixedPolicy("draft", 3), max_tokens=30):
+    for ev in eng.generate(PROMPT, policy=FixedPolicy(eng.proposers["draft"], 3), max_tokens=30):
         ctx += ev.tokens
         assert eng.target.tokens == ctx[:-1]
 
@@ -133,7 +139,7 @@ def test_target_cache_holds_all_committed_tokens_but_the_last_after_every_step()
 def test_draft_catches_up_in_one_batch_and_never_reevaluates_the_prompt():
     eng = make_engine(draft_seed=0)
     draft_rt = eng.proposers["draft"].rt
-    run(eng, policy=FixedPolicy("draft", 3), max_tokens=20)
+    run(eng, policy=("draft", 3), max_tokens=20)
     # begin() evaluates the prompt once; afterwards every call is a catch-up batch of 1-2 tokens
     # (bonus, plus the last accepted when all were accepted) or a single drafting pass.
     assert draft_rt.evals[0] == len(PROMPT) - 1
@@ -153,12 +159,12 @@ def test_second_request_with_shared_prefix_reuses_the_cache():
 
 def test_closing_the_stream_mid_generation_leaves_a_consistent_cache():
     eng = make_engine(draft_seed=0)
-    gen = eng.generate(PROMPT, policy=FixedPolicy("draft", 4), max_tokens=50)
+    gen = eng.generate(PROMPT, policy=FixedPolicy(eng.proposers["draft"], 4), max_tokens=50)
     ctx = list(PROMPT)
     for _, ev in zip(range(3), gen):
         ctx += ev.tokens
     gen.close()
     assert eng.target.tokens == ctx[:-1]
-    out, _, _, _ = run(eng, policy=FixedPolicy("draft", 4), max_tokens=20)
+    out, _, _, _ = run(eng, policy=("draft", 4), max_tokens=20)
     ref, _, _, _ = plain(max_tokens=20)
     assert out == ref

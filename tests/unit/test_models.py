@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from homespec.models import fetch as models
 from homespec.cli import models as cli
 from homespec.config import load_config
 from homespec.errors import ModelError
+from homespec.models import fetch as models
 from homespec.models.fetch import is_verified, pull, resolve_model_path, stamp_path, verify
 from homespec.models.registry import RegistryEntry, get_entry, load_registry
 

@@ -15,10 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats  # noqa: E402
 from homespec.mtp.collect import HELDOUT_PROMPTS, TRAIN_PROMPTS, Record, save_record, top_k  # noqa: E402
 from homespec.mtp.model import HeadConfig, HeadRunner, MTPHead  # noqa: E402
 from homespec.mtp.train import Batches, Data, choose_vocab, head_loss, load_data  # noqa: E402
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats  # noqa: E402
 from homespec.speculation.proposers.mtp import MTPProposer  # noqa: E402
 from homespec.speculation.sampling import SamplingParams  # noqa: E402
 from tests.unit.fakes import FakeRuntime  # noqa: E402
@@ -165,6 +165,7 @@ class RecordingRunner:
 
     def __init__(self, window: int = 16) -> None:
         self.cfg = tiny_config(window=window)
+        self.window = window
         self.vocab_ids = np.arange(self.cfg.vocab_out)
         self.calls: list[tuple[int, np.ndarray, list[int]]] = []  # (pos0, hidden, next tokens)
         self.start = self.end = 0
@@ -192,7 +193,7 @@ GREEDY = SamplingParams()
 
 def test_first_draft_pairs_the_last_evaluated_hidden_state_with_the_newest_token():
     target, runner = HiddenFake(), RecordingRunner()
-    prop = MTPProposer(target, runner, VOCAB)
+    prop = MTPProposer(target, runner)
     ctx = [5, 9, 2, 7, 3, 8]
     target.sync(ctx[:-1], output="none")  # the engine's invariant: the target holds ctx[:-1]
     prop.propose(ctx, 1, GREEDY, np.random.default_rng(0))
@@ -206,7 +207,7 @@ def test_first_draft_pairs_the_last_evaluated_hidden_state_with_the_newest_token
 
 def test_deeper_drafts_feed_the_heads_own_hidden_state_and_drafted_token():
     target, runner = HiddenFake(), RecordingRunner()
-    prop = MTPProposer(target, runner, VOCAB)
+    prop = MTPProposer(target, runner)
     ctx = [1, 2, 3, 4, 5]
     target.sync(ctx[:-1], output="none")
     p = prop.propose(ctx, 3, GREEDY, np.random.default_rng(0))
@@ -219,7 +220,7 @@ def test_deeper_drafts_feed_the_heads_own_hidden_state_and_drafted_token():
 
 def test_after_verification_speculative_entries_are_rebuilt_from_real_hidden_states():
     target, runner = HiddenFake(), RecordingRunner()
-    prop = MTPProposer(target, runner, VOCAB)
+    prop = MTPProposer(target, runner)
     ctx = [1, 2, 3, 4, 5, 6]
     target.sync(ctx[:-1], output="none")
     p = prop.propose(ctx, 3, GREEDY, np.random.default_rng(0))
@@ -241,7 +242,7 @@ def test_after_verification_speculative_entries_are_rebuilt_from_real_hidden_sta
 
 def test_a_proposer_that_sat_out_reports_its_catch_up():
     target, runner = HiddenFake(), RecordingRunner()
-    prop = MTPProposer(target, runner, VOCAB)
+    prop = MTPProposer(target, runner)
     ctx = list(range(1, 7))
     target.sync(ctx[:-1], output="none")
     prop.propose(ctx, 1, GREEDY, np.random.default_rng(0))
@@ -249,12 +250,12 @@ def test_a_proposer_that_sat_out_reports_its_catch_up():
     target.sync(ctx2[:-1], output="none")
     assert prop.lag(ctx2) == 6
     p = prop.propose(ctx2, 1, GREEDY, np.random.default_rng(0))
-    assert p.info["catchup_tokens"] == 6 and p.info["catchup_s"] > 0
+    assert p.info.catchup_tokens == 6 and p.info.catchup_s > 0
 
 
 def test_no_proposal_without_the_hidden_state_of_the_last_evaluated_position():
     target, runner = HiddenFake(), RecordingRunner()
-    prop = MTPProposer(target, runner, VOCAB)
+    prop = MTPProposer(target, runner)
     ctx = [1, 2, 3, 4]
     target.sync(ctx[:-1], output="none")
     target.kept_from = len(target.tokens)  # e.g. a restored prefix cache: no hidden states
@@ -263,7 +264,7 @@ def test_no_proposal_without_the_hidden_state_of_the_last_evaluated_position():
 
 def test_sampled_proposals_carry_q_over_the_full_vocabulary_zero_outside_the_heads():
     target = HiddenFake()
-    prop = MTPProposer(target, HeadRunner(tiny_head(), embed, int8=False), VOCAB)
+    prop = MTPProposer(target, HeadRunner(tiny_head(), embed, int8=False))
     ctx = [3, 1, 4, 1, 5, 9]
     target.sync(ctx[:-1], output="none")
     p = prop.propose(ctx, 3, SamplingParams(temperature=0.8, top_p=0.95), np.random.default_rng(0))
@@ -279,9 +280,9 @@ def test_greedy_speculation_with_the_head_emits_plain_decodings_tokens(k):
     plain_target = HiddenFake(sharpness=4.0)
     plain = [t for ev in Engine(plain_target).generate(prompt, max_tokens=40) for t in ev.tokens]
     target = HiddenFake(sharpness=4.0)
-    prop = MTPProposer(target, HeadRunner(tiny_head(window=8), embed, int8=True), VOCAB)
+    prop = MTPProposer(target, HeadRunner(tiny_head(window=8), embed, int8=True))
     st = GenerationStats()
-    spec = [t for ev in Engine(target, {"mtp": prop}).generate(prompt, max_tokens=40, policy=FixedPolicy("mtp", k), stats=st)
+    spec = [t for ev in Engine(target).generate(prompt, max_tokens=40, policy=FixedPolicy(prop, k), stats=st)
             for t in ev.tokens]
     assert spec == plain
     assert st.proposed > 0
@@ -366,7 +367,7 @@ def test_target_weights_read_rows_in_torch_layout(tmp_path):
 
 def test_proposing_twice_for_the_same_context_gives_the_same_draft():
     target = HiddenFake()
-    prop = MTPProposer(target, HeadRunner(tiny_head(), embed, int8=False), VOCAB)
+    prop = MTPProposer(target, HeadRunner(tiny_head(), embed, int8=False))
     ctx = [3, 1, 4, 1, 5, 9, 2]
     target.sync(ctx[:-1], output="none")
     first = prop.propose(ctx, 3, GREEDY, np.random.default_rng(0)).tokens
@@ -376,14 +377,14 @@ def test_proposing_twice_for_the_same_context_gives_the_same_draft():
 def test_the_controller_chooses_mtp_when_its_measured_cost_and_acceptance_pay():
     from homespec.speculation.controller import Controller
 
-    c = Controller(["mtp"], k_max=4)
+    c = Controller([MTPProposer(HiddenFake(), RecordingRunner())], k_max=4)
     c.cost.set_verify({1: 0.056, 2: 0.095, 4: 0.148, 5: 0.18})  # DESIGN.md's 2-core figures
-    c.cost.propose_s["mtp"] = 0.004  # ~0.07 of a target pass per proposed token
-    assert c.decide([1, 2, 3]).proposer == "none"  # prior acceptance 0.5 does not pay here
+    c.set_proposer_cost("mtp", 0.004)  # ~0.07 of a target pass per proposed token
+    assert c.decide([1, 2, 3]).name == "off"  # prior acceptance 0.5 does not pay here
     for _ in range(40):
         c.acc.observe(c._key("mtp"), [True, True, True, False])
     d = c.decide([1, 2, 3])
-    assert d.proposer == "mtp" and d.k >= 2
+    assert d.name == "mtp" and d.k >= 2
 
 
 # -- end to end: a tiny GGUF target, collected-like chunks, train(), checkpoint, proposer ------------
@@ -417,10 +418,10 @@ def write_tiny_target(path, d: int = D, vocab: int = VOCAB, ff: int = 48) -> Non
 
 
 def test_train_writes_a_checkpoint_that_serves_as_a_proposer_and_resumes(tmp_path):
+    from homespec.mtp.checkpoint import head_window, open_head
     from homespec.mtp.model import load_head, meta_path
     from homespec.mtp.train import TrainConfig, read_meta, train
     from homespec.mtp.weights import TargetWeights
-    from homespec.speculation.proposers.mtp import head_window, open_mtp
 
     target = tmp_path / "tiny.gguf"
     write_tiny_target(target)
@@ -441,7 +442,7 @@ def test_train_writes_a_checkpoint_that_serves_as_a_proposer_and_resumes(tmp_pat
     assert head.cfg.vocab_out == 32 and head.vocab_ids.shape == (32,)
     # Served: the proposer drafts only tokens of the head's vocabulary.
     fake = HiddenFake()
-    prop = open_mtp(fake, out, target, int8=False)
+    prop = MTPProposer(fake, open_head(fake, out, target, int8=False))
     ctx = [3, 1, 4, 1, 5, 9, 2]
     fake.sync(ctx[:-1], output="none")
     drafted = prop.propose(ctx, 3, GREEDY, np.random.default_rng(0)).tokens

@@ -57,7 +57,7 @@ def test_proposer_reports_point_mass_and_match_length():
     prop = NgramProposer(2, 3)
     prop.begin([1, 2, 3, 4])
     p = prop.propose([1, 2, 3, 4, 1, 2], 2, SamplingParams(), np.random.default_rng(0))
-    assert p.tokens == [3, 4] and p.q is None and p.info["match_len"] == 2
+    assert p.tokens == [3, 4] and p.q is None and p.info.evidence.match == 2
 
 
 def test_match_length_counts_back_past_n_max_up_to_the_cap():
@@ -80,7 +80,7 @@ def test_a_match_says_whether_it_copies_the_prompt_or_repeats_the_answer():
     prop.begin(prompt)  # a new request
     repeat = prop.match(ctx, 2)
     assert repeat.tokens == [6, 8] and not repeat.from_prompt
-    assert prop.propose(ctx, 2, SamplingParams(), np.random.default_rng(0)).info["from_prompt"] == 0.0
+    assert prop.propose(ctx, 2, SamplingParams(), np.random.default_rng(0)).info.evidence.from_prompt is False
 
 
 def test_a_new_request_without_begin_takes_its_context_as_the_prompt():

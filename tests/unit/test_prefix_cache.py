@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 from homespec.llama.prefix_cache import PrefixCache
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 
 from .fakes import FakeRuntime
 

@@ -18,20 +18,20 @@ DATA = Path(__file__).resolve().parent.parent / "data"
 K_MAX = 16
 
 
-def measured_cpu_cost():  # noqa: ANN201
+def measured_cpu_cost():
     """Target pass cost over n tokens as calibrated on the 2-core development machine."""
     samples = {int(n): s for n, s in json.loads((DATA / "cpu_pass_costs.json").read_text()).items()}
     return samples, pass_cost(samples)
 
 
-def gpu_cost():  # noqa: ANN201
+def gpu_cost():
     samples = {n: 0.020 * (1 + 0.01 * (n - 1)) for n in range(1, K_MAX + 2)}  # memory-bound: nearly flat
     return samples, lambda n: samples[n]
 
 
-def controller_for(samples):  # noqa: ANN001, ANN201
+def controller_for(samples):
     def make(ngram: NgramProposer) -> Controller:
-        c = Controller(["ngram"], ControllerConfig(), k_max=K_MAX, ngram_peek=ngram.match)
+        c = Controller([ngram], ControllerConfig(), k_max=K_MAX)
         c.cost.set_verify(samples)
         return c
 
@@ -41,13 +41,13 @@ def controller_for(samples):  # noqa: ANN001, ANN201
 def test_replayed_plain_decoding_costs_one_pass_per_token():
     rec = Recording(prompt=[1, 2, 3], output=[4, 5, 6, 7])
     r = replay([rec], FixedPolicy(), NgramProposer(2, 4), lambda n: 0.1 * n)
-    assert r.emitted == 3 and r.verify_s == pytest.approx(0.3) and r.by_choice == {"none:0": 3}
+    assert r.emitted == 3 and r.verify_s == pytest.approx(0.3) and r.by_choice == {"off:0": 3}
 
 
 def test_a_replayed_copy_of_the_prompt_is_accepted_in_long_steps():
     text = list(range(10, 40))
     rec = Recording(prompt=[1, *text, 2], output=text)
-    r = replay([rec], FixedPolicy("ngram", 8), NgramProposer(2, 4), lambda n: 0.1)
+    r = replay([rec], FixedPolicy(ngram := NgramProposer(2, 4), 8), ngram, lambda n: 0.1)
     assert r.emitted == len(text) - 1
     assert r.by_choice.get("ngram:8", 0) >= 3 and r.steps <= 6
 

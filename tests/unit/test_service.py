@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from homespec.serving import systemd as service
 from homespec.__main__ import main as homespec_main
 from homespec.errors import UserError
+from homespec.serving import systemd as service
 from homespec.serving.systemd import SystemdNotifier, install_unit, render_unit
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = REPO / "systemd" / "homespec.serving.systemd"
+SHIPPED = REPO / "systemd" / "homespec.service"
 OPT_EXEC = "/opt/homespec/.venv/bin/homespec"
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not installed")
@@ -39,7 +39,7 @@ def verify(text: str, folder: Path, *, user: bool = False) -> str:
     Success is exit 0 *and* no output: unknown keys and bad values are only warnings (exit 0).
     """
     folder.mkdir(parents=True, exist_ok=True)
-    unit = folder / "homespec.serving.systemd"
+    unit = folder / "homespec.service"
     unit.write_text(text)
     env = dict(os.environ)
     cmd = [SYSTEMD_ANALYZE, "--man=no", "--generators=no"]
@@ -223,19 +223,19 @@ def test_relative_and_newline_paths_are_refused(layout: dict[str, Path]) -> None
 
 
 def test_install_unit_replaces_the_file_whole_and_world_readable(tmp_path: Path) -> None:
-    dest = tmp_path / "systemd" / "homespec.serving.systemd"
+    dest = tmp_path / "systemd" / "homespec.service"
     assert install_unit("[Unit]\nDescription=old\n", user=False, dest=dest) == dest
     install_unit("[Unit]\nDescription=new\n", user=False, dest=dest)
     assert dest.read_text() == "[Unit]\nDescription=new\n"
     assert stat.S_IMODE(dest.stat().st_mode) == 0o644
-    assert [p.name for p in dest.parent.iterdir()] == ["homespec.serving.systemd"]  # no temp file left
+    assert [p.name for p in dest.parent.iterdir()] == ["homespec.service"]  # no temp file left
 
 
 def test_user_install_goes_to_the_xdg_config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     dest = install_unit("[Unit]\n", user=True)
-    assert dest == tmp_path / "cfg" / "systemd" / "user" / "homespec.serving.systemd" and dest.exists()
-    assert service.default_unit_path(False) == Path("/etc/systemd/system/homespec.serving.systemd")
+    assert dest == tmp_path / "cfg" / "systemd" / "user" / "homespec.service" and dest.exists()
+    assert service.default_unit_path(False) == Path("/etc/systemd/system/homespec.service")
 
 
 def test_install_without_permission_is_a_one_line_user_error(
@@ -247,7 +247,7 @@ def test_install_without_permission_is_a_one_line_user_error(
 
     monkeypatch.setattr(tempfile, "mkstemp", refuse)
     with pytest.raises(UserError, match=r"needs root; run with sudo or use --user") as e:
-        install_unit("[Unit]\n", user=False, dest=tmp_path / "homespec.serving.systemd")
+        install_unit("[Unit]\n", user=False, dest=tmp_path / "homespec.service")
     assert "\n" not in str(e.value)
 
 
@@ -439,7 +439,7 @@ def test_cli_install_writes_the_unit_and_prints_the_systemctl_commands(
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     assert homespec_main(["service", "install", "--user", "--config", str(config_file)]) == 0
     out = capsys.readouterr().out
-    dest = tmp_path / "xdg" / "systemd" / "user" / "homespec.serving.systemd"
+    dest = tmp_path / "xdg" / "systemd" / "user" / "homespec.service"
     assert "Type=notify" in dest.read_text()
     assert f"wrote {dest}" in out
     assert "systemctl --user daemon-reload && systemctl --user enable --now homespec" in out

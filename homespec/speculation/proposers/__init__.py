@@ -1,5 +1,5 @@
 """Proposers guess the next k tokens; the target verifies them. See base.Proposer."""
 
-from homespec.speculation.proposers.base import Proposal, Proposer
+from homespec.speculation.proposers.base import Evidence, Preview, Proposal, ProposalInfo, Proposer, ProposerCost
 
-__all__ = ["Proposal", "Proposer"]
+__all__ = ["Evidence", "Preview", "Proposal", "ProposalInfo", "Proposer", "ProposerCost"]

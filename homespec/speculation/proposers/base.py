@@ -1,20 +1,54 @@
-"""The proposer role: one small protocol shared by draft, ngram and mtp.
+"""The proposer role: one protocol shared by draft, ngram and mtp (and any proposer to come).
 
 A proposer sees the committed context (prompt + output so far, the last token not yet verified
 by the target) and returns up to k guessed continuation tokens. It never decides what is
-emitted: the verifier does. Its state (a KV cache, an index) follows the context it is shown;
-`begin` lets it do the expensive part of catching up during prefill rather than in the first
-step.
+emitted: the verifier does. Its state (a KV cache, an index) follows the context it is shown.
+
+The controller names no proposer: everything it needs to choose one comes through this protocol
+— `preview` (how many tokens it could offer now, and under which evidence its acceptance is
+learned), `lag` (what using it now would first cost in catching up), `measure_cost` (warm-up
+timing) and the typed `ProposalInfo` of each proposal. Adding a proposer is one module that
+implements `Proposer`, plus registering it with the controller (`Controller.add_proposer`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from homespec.speculation.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a proposal's acceptance is learned under, beside the proposer's name: proposals with
+    the same evidence are alike. Model proposers have one kind (the default); ngram's depends on
+    its match (a 32-token copy of the prompt is kept far more often than a 2-token repeat)."""
+
+    match: int = 0  # evidence strength: ngram's match-length bucket; 0 = not applicable
+    from_prompt: bool = False  # the proposal copies the prompt rather than repeating the answer
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What a proposer could offer for a context now, found without paying for a proposal."""
+
+    available: int  # tokens it could propose (<= the k asked); 0 = nothing worth proposing
+    evidence: Evidence = Evidence()
+
+
+@dataclass(frozen=True)
+class ProposalInfo:
+    """What the controller learns from a proposal besides its tokens."""
+
+    evidence: Evidence = Evidence()
+    # Catching up on context the proposer missed (it sat out some steps) is a switching cost, not
+    # a cost per drafted token: reported apart so the cost model stays clean.
+    catchup_s: float = 0.0  # seconds of draft_s spent catching up
+    catchup_tokens: int = 0  # tokens (or head entries) caught up on
 
 
 @dataclass
@@ -24,21 +58,45 @@ class Proposal:
     # (a point mass on each token: ngram, or any proposer under greedy decoding).
     q: np.ndarray | None = None
     draft_s: float = 0.0  # seconds spent proposing
-    # For the controller: e.g. the ngram match length; the draft's per-token confidence.
-    info: dict[str, float] = field(default_factory=dict)
+    info: ProposalInfo = field(default_factory=ProposalInfo)
+
+
+@dataclass(frozen=True)
+class ProposerCost:
+    """A proposer's cost measured at warm-up (seconds, on this machine)."""
+
+    per_token_s: float  # proposing one token during a step
+    catchup_per_token_s: float  # catching up one token of context it missed
+    catchup_tokens: int  # how many tokens the catch-up timing covered
 
 
 @runtime_checkable
 class Proposer(Protocol):
-    name: str
+    name: str  # registry key, the speculation mode that fixes it, and its label in stats
+    # True when begin() costs ~nothing (ngram indexes the prompt): always worth doing, since it
+    # also tells the proposer where the prompt ends. False: prefilled only while it pays.
+    free_prefill: bool
 
     def begin(self, prompt: Sequence[int]) -> None:
         """A new generation starts with this prompt: catch up (prefill) now."""
+
+    def preview(self, context: Sequence[int], k: int) -> Preview:
+        """How many tokens (<= k) it could propose after `context`, and under which evidence."""
+        ...
+
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of `context` it must catch up on before it can propose (0 when in step)."""
+        ...
 
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:
         """Guess up to k tokens that follow `context`."""
+        ...
+
+    def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:
+        """Warm-up: time proposing after `context` (the target holds context[:-1]); `probe` is
+        text to catch up on. Leave every cache as found. None: costs ~nothing to measure."""
         ...
 
     def close(self) -> None:

@@ -13,20 +13,23 @@ is a point mass (Proposal.q is None).
 
 from __future__ import annotations
 
+import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from homespec.speculation.proposers.base import Proposal
-from homespec.llama.runtime import Runtime, common_prefix
+from homespec.speculation.proposers.base import Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams, penalize, probabilities, sample, window
+from homespec.speculation.target import Target
+from homespec.tokens import common_prefix
 
 
 class DraftProposer:
     name = "draft"
+    free_prefill = False  # a prefill of the prompt costs TTFT: only while drafting pays
 
-    def __init__(self, runtime: Runtime, target_vocab: int) -> None:
+    def __init__(self, runtime: Target, target_vocab: int) -> None:
         self.rt = runtime
         # Tokenizers may differ by padding rows (gguf_info allows <= 128): pad q to the target's.
         self.target_vocab = target_vocab
@@ -36,6 +39,9 @@ class DraftProposer:
         keep = min(len(prompt) - 1, common_prefix(self.rt.tokens, prompt))
         self.rt.truncate(keep)
         self.rt.eval(prompt[keep : len(prompt) - 1], output="none")
+
+    def preview(self, context: Sequence[int], k: int) -> Preview:
+        return Preview(max(0, min(k, self.rt.n_ctx - len(context))))
 
     def lag(self, context: Sequence[int]) -> int:
         """Tokens of `context` this draft has not read yet (the cost of using it now)."""
@@ -55,24 +61,37 @@ class DraftProposer:
         catchup_s = time.perf_counter() - t0 if behind > 2 else 0.0
         tokens: list[int] = []
         qs: list[np.ndarray] = []  # each [vocab]
-        conf: list[float] = []
         recent = list(window(context, params))
         for i in range(k):
             z = self._pad(penalize(logits, params, window(recent + tokens, params)))
             if params.greedy:
                 tok = int(np.argmax(z))
-                conf.append(_top_prob(z))
             else:
                 q = probabilities(z, params)
                 tok = sample(q, rng)
                 qs.append(q)
-                conf.append(float(q[tok]))
             tokens.append(tok)
             if i + 1 < k:
                 logits = self.rt.eval([tok], output="last")[0]
         q_arr = np.stack(qs) if qs else None  # [k, vocab]
-        info = {"confidence": float(np.mean(conf)), "catchup_s": catchup_s, "catchup_tokens": float(max(behind, 0))}
+        info = ProposalInfo(catchup_s=catchup_s, catchup_tokens=max(behind, 0) if catchup_s else 0)
         return Proposal(tokens, q_arr, time.perf_counter() - t0, info)
+
+    def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost:
+        """Per proposed token: one-token passes (median); per caught-up token: one batch."""
+        self.rt.sync(context[:-1], output="none")
+        base = len(self.rt.tokens)
+        times = []
+        for i in range(1 + passes * 2):  # the first pass warms up and is dropped
+            t = time.perf_counter()
+            self.rt.eval(probe[i : i + 1], output="last")
+            times.append(time.perf_counter() - t)
+        self.rt.truncate(base)
+        t = time.perf_counter()
+        self.rt.eval(probe, output="none")  # a catch-up batch: prefill speed
+        catchup = (time.perf_counter() - t) / len(probe)
+        self.rt.reset()  # the first request should not find warm-up text in the cache
+        return ProposerCost(statistics.median(times[1:]), catchup, len(probe))
 
     def _pad(self, z: np.ndarray) -> np.ndarray:
         if z.shape[0] >= self.target_vocab:
@@ -81,10 +100,4 @@ class DraftProposer:
 
     def close(self) -> None:
         self.rt.close()
-
-
-def _top_prob(z: np.ndarray) -> float:
-    """Softmax probability of the argmax, without forming the whole distribution twice."""
-    m = float(z.max())
-    return float(1.0 / np.exp(z - m).sum())
 

@@ -24,32 +24,49 @@ window) and torch (`homespec[mtp]`), which is imported only when a head is opene
 
 from __future__ import annotations
 
-import json
-import math
-import struct
+import statistics
 import time
-from collections import OrderedDict
-from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from homespec.errors import ModelError
-from homespec.speculation.proposers.base import Proposal
-from homespec.llama.runtime import common_prefix
+from homespec.speculation.proposers.base import Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams, penalize, probabilities, sample, window
+from homespec.speculation.target import HiddenStates
+from homespec.tokens import common_prefix
+
+_GREEDY = SamplingParams()
+CALIBRATION_K = 4  # draft length timed at warm-up: the head's cost per token barely depends on it
+
+
+class HeadRunner(Protocol):
+    """The served head (mtp/model.py's HeadRunner, torch): a KV cache of head entries."""
+
+    vocab_ids: np.ndarray  # [V'] head index -> target token id
+    window: int  # entries it attends over
+    end: int  # entries in its cache
+
+    def extend(self, hidden: np.ndarray, next_tokens: np.ndarray, pos0: int) -> tuple[np.ndarray, np.ndarray]:
+        """Append entries (hidden [n, d], t_{j+1} [n]) at pos0..: (ĥ of the last [d], logits [V'])."""
+        ...
+
+    def truncate(self, n: int) -> None: ...
+
+    def reset(self, start: int) -> None: ...
 
 
 class MTPProposer:
     name = "mtp"
+    free_prefill = False  # building the head's entries for the prompt costs TTFT
 
-    def __init__(self, target, runner, n_vocab: int) -> None:
-        """target: the Runtime (with hidden_window); runner: a model.HeadRunner."""
+    def __init__(self, target: HiddenStates, runner: HeadRunner) -> None:
+        """target: keeps at least the head's window of hidden states."""
         self.target = target
         self.runner = runner
-        self.n_vocab = n_vocab
+        self.n_vocab = target.n_vocab
         self.vocab_ids = runner.vocab_ids  # [V'] head index -> target token id
-        self.window = runner.cfg.window
+        self.window = runner.window
         self._seen: list[int] = []  # the context the real entries were built from
         self._real_end = 0  # entries < this were built from the target's real hidden states
         self._step_entries = 1  # entries a normal step adds (k + 1); more is a catch-up
@@ -59,6 +76,9 @@ class MTPProposer:
     def _keep(self, context: Sequence[int]) -> int:
         """Real entries still valid for `context`: entry j needs context[:j + 2] unchanged."""
         return max(0, min(self._real_end, common_prefix(self._seen, context) - 1, self.runner.end))
+
+    def preview(self, context: Sequence[int], k: int) -> Preview:
+        return Preview(k)
 
     def lag(self, context: Sequence[int]) -> int:
         """Head entries to (re)build before proposing for `context` (at most the window)."""
@@ -107,120 +127,48 @@ class MTPProposer:
         self._step_entries = k + 1
         tokens: list[int] = []
         qs: list[np.ndarray] = []  # each [n_vocab]
-        conf: list[float] = []
         recent = list(window(context, params))
         for i in range(k):
-            tok, q, c = self._choose(logits, params, window(recent + tokens, params), rng)
+            tok, q = self._choose(logits, params, window(recent + tokens, params), rng)
             tokens.append(tok)
-            conf.append(c)
             if q is not None:
                 qs.append(q)
             if i + 1 < k:  # speculative entry m - 1 + i: the head's own ĥ with the token it drafted
                 h_pred, logits = self.runner.extend(h_pred[None, :], np.asarray([tok]), m - 1 + i)
-        info = {"confidence": float(np.mean(conf)), "catchup_s": catchup_s,
-                "catchup_tokens": float(built if catchup_s else 0)}
+        info = ProposalInfo(catchup_s=catchup_s, catchup_tokens=built if catchup_s else 0)
         return Proposal(tokens, np.stack(qs) if qs else None, time.perf_counter() - t0, info)
+
+    def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost:
+        """Per proposed token as a step drafts (one real entry rebuilt, then its own predictions
+        fed forward), and per entry rebuilt after sitting steps out (the first proposal builds
+        the window). The target holds context[:-1], as between steps."""
+        base = len(self.target.tokens)
+        rng = np.random.default_rng(0)
+        first = self.propose(context, 1, _GREEDY, rng)  # builds the window: a catch-up
+        built = max(first.info.catchup_tokens, 1)
+        times = []
+        for _ in range(1 + passes * 2):  # the first is dropped
+            # A target pass in between, as in a real step: back to back the head measured ~25%
+            # cheaper (4.4 against 5.7 ms a token: warm caches and thread pools).
+            self.target.eval(probe[:1], output="last")
+            self.target.truncate(base)
+            times.append(self.propose(context, CALIBRATION_K, _GREEDY, rng).draft_s)
+        return ProposerCost(statistics.median(times[1:]) / CALIBRATION_K, first.draft_s / built, built)
 
     def _choose(
         self, z: np.ndarray, params: SamplingParams, recent: Sequence[int], rng: np.random.Generator
-    ) -> tuple[int, np.ndarray | None, float]:
-        """Head logits over V' [V'] -> (token id, q over the full vocabulary or None, confidence)."""
+    ) -> tuple[int, np.ndarray | None]:
+        """Head logits over V' [V'] -> (token id, q over the full vocabulary or None)."""
         if params.greedy and not params.has_penalties:
             i = int(np.argmax(z))  # the common case stays in V' (16k rows, not 152k)
-            return int(self.vocab_ids[i]), None, float(1.0 / np.exp(z - z[i]).sum())
+            return int(self.vocab_ids[i]), None
         full = np.full(self.n_vocab, -np.inf, dtype=np.float32)  # [n_vocab]
         full[self.vocab_ids] = z
         full = penalize(full, params, recent)
         if params.greedy:
-            tok = int(np.argmax(full))
-            return tok, None, float(1.0 / np.exp(full - full[tok]).sum())
+            return int(np.argmax(full)), None
         q = probabilities(full, params)  # zero outside V': never proposed, exactness kept
-        tok = sample(q, rng)
-        return tok, q, float(q[tok])
+        return sample(q, rng), q
 
     def close(self) -> None:
         self.runner = None
-
-
-# -- opening a trained head ------------------------------------------------------------------
-
-
-EMBED_CACHE_ROWS = 8192  # embedding rows kept dequantised: a step needs a handful, a chat a few thousand
-# bytes: what opening the head adds beyond its serving weights. Measured with the 16k-vocabulary
-# head of the default target: RSS grew 660 MiB in a bare process (importing torch 184 MiB of it;
-# the rest is allocator slack from loading in float32 and the target's GGUF pages it reads) and
-# 782 MiB in the daemon, against 121 MiB of serving weights and caches.
-TORCH_OVERHEAD = 640 * 2**20
-
-
-def _header(path: str | Path) -> tuple[dict, dict]:
-    """(tensor table, head config) from a head's safetensors header, without torch."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        meta = header.pop("__metadata__")
-        return header, json.loads(meta["config"])
-    except FileNotFoundError:
-        raise ModelError(f"MTP head {path} not found (train one with `homespec train-mtp`)") from None
-    except (KeyError, ValueError, TypeError, struct.error) as e:
-        raise ModelError(f"{path}: not a homespec MTP head ({e})") from None
-
-
-def head_window(path: str | Path) -> int:
-    """The attention window a head was trained with: the target runtime must keep at least this
-    many hidden states (hidden_window)."""
-    return int(_header(path)[1]["window"])
-
-
-def head_ram(path: str | Path) -> int:
-    """Bytes the served head occupies (for the memory plan): int8 weights, its output rows,
-    the embedding row cache, and torch itself."""
-    tensors, cfg = _header(path)
-    params = sum(math.prod(t["shape"]) for t in tensors.values() if t["dtype"] in ("F32", "F16", "BF16"))
-    d = int(cfg["d"])
-    return params + int(cfg["vocab_out"]) * d + EMBED_CACHE_ROWS * d * 4 + TORCH_OVERHEAD
-
-
-class _EmbedRows:
-    """Token id -> the target's embedding row, dequantised on demand (~0.1 ms a row) and kept
-    in an LRU cache: a step needs a handful, and the full table would be 933 MB."""
-
-    def __init__(self, weights, capacity: int = EMBED_CACHE_ROWS) -> None:
-        self.weights, self.capacity = weights, capacity
-        self.rows: OrderedDict[int, np.ndarray] = OrderedDict()
-
-    def __call__(self, ids: np.ndarray) -> np.ndarray:  # [n] -> [n, d] float32
-        missing = [int(t) for t in dict.fromkeys(ids.tolist()) if int(t) not in self.rows]
-        if missing:
-            for t, row in zip(missing, self.weights.embed(missing)):
-                self.rows[t] = row
-        out = []
-        for t in ids.tolist():
-            self.rows.move_to_end(int(t))
-            out.append(self.rows[int(t)])
-        while len(self.rows) > self.capacity:
-            self.rows.popitem(last=False)
-        return np.stack(out)
-
-
-def open_mtp(target, head_path: str | Path, target_gguf: str | Path, *, threads: int | None = None,
-             int8: bool = True) -> MTPProposer:
-    """Load a trained head for `target` (a Runtime opened with hidden_window >= head_window)."""
-    try:
-        import torch
-
-        from homespec.mtp.model import HeadRunner, load_head
-        from homespec.mtp.weights import TargetWeights
-    except ImportError as e:
-        raise ModelError(f"the MTP head needs torch ({e.name} missing): pip install 'homespec[mtp]'") from None
-    weights = TargetWeights(target_gguf)
-    head = load_head(Path(head_path), weights)
-    if getattr(target, "opts", None) is not None and target.opts.hidden_window < head.cfg.window:
-        raise ModelError(f"target runtime keeps {target.opts.hidden_window} hidden states; the MTP head "
-                         f"needs {head.cfg.window} (RuntimeOptions.hidden_window)")
-    if threads:
-        torch.set_num_threads(threads)
-    runner = HeadRunner(head, _EmbedRows(weights), int8=int8)
-    return MTPProposer(target, runner, target.n_vocab)

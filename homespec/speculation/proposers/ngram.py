@@ -19,12 +19,12 @@ while prose repeating itself kept 2-8 even on matches of 16-31 tokens.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 
-from homespec.speculation.proposers.base import Proposal
+from homespec.speculation.proposers.base import Evidence, Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
@@ -87,10 +87,19 @@ class NgramIndex:
         return NO_MATCH
 
 
+def match_bucket(length: int) -> int:
+    """Match lengths 2..7 apart, then 8-15, 16-31 and 32+ (MATCH_CAP) by their lower end: past a
+    few tokens, doubling the length is what changes the odds."""
+    if length < 8:
+        return length
+    return 8 if length < 16 else 16 if length < MATCH_CAP else MATCH_CAP
+
+
 class NgramProposer:
     """Deterministic proposer: q is a point mass, so `Proposal.q` is None."""
 
     name = "ngram"
+    free_prefill = True  # indexing the prompt costs microseconds and marks where it ends
 
     def __init__(self, n_min: int = 2, n_max: int = 5) -> None:
         self.index = NgramIndex(n_min, n_max)
@@ -101,19 +110,33 @@ class NgramProposer:
         self.prompt_len = len(prompt)
 
     def match(self, context: Sequence[int], k: int) -> Match:
-        """The proposal and how it matched, without timing: the controller peeks with this."""
+        """The proposal and how it matched, without timing."""
         if self.index.sync(context):  # a new request that did not call begin(): its context is the prompt
             self.prompt_len = len(context)
         m = self.index.lookup(k)
         return replace(m, from_prompt=m.at < self.prompt_len) if m.tokens else m
+
+    def evidence(self, m: Match) -> Evidence:
+        """Acceptance is learned per match: its length bucket (a match shorter than n_min
+        counts as n_min) and whether it copies the prompt."""
+        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt)
+
+    def preview(self, context: Sequence[int], k: int) -> Preview:
+        m = self.match(context, k)
+        return Preview(len(m.tokens), self.evidence(m)) if m.tokens else Preview(0)
+
+    def lag(self, context: Sequence[int]) -> int:
+        return 0  # the index extends itself in microseconds
 
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:
         t0 = time.perf_counter()
         m = self.match(context, k)
-        info = {"match_len": float(m.length), "from_prompt": float(m.from_prompt)}
-        return Proposal(m.tokens, None, time.perf_counter() - t0, info)
+        return Proposal(m.tokens, None, time.perf_counter() - t0, ProposalInfo(self.evidence(m)))
+
+    def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:
+        return None  # microseconds: nothing worth a warm-up
 
     def close(self) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
