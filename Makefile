@@ -15,13 +15,17 @@ CONFIG ?= config.yaml
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) $(CMAKE_ARGS)
 
-.PHONY: serve test install models test-models bench dashboard clean
+.PHONY: serve test lint install models test-models bench dashboard clean
 
 serve: models
 	$(BIN)/homespec serve --config $(CONFIG)
 
 test: test-models
+	$(BIN)/ruff check homespec tests scripts
 	$(BIN)/python -m pytest -q -ra
+
+lint: $(STAMP)
+	$(BIN)/ruff check homespec tests scripts
 
 install: $(STAMP)
 
