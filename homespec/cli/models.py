@@ -136,7 +136,7 @@ def _verify(args, cfg, registry, models_dir) -> int:
     import time
 
     from homespec.errors import ModelError
-    from homespec.models.fetch import verify
+    from homespec.models.fetch import record_local_checksum, verify
 
     on_disk = [n for n, e in registry.items() if (models_dir / e.file).exists()]
     entries = _select(args.names, registry, cfg, extra=on_disk)
@@ -151,11 +151,14 @@ def _verify(args, cfg, registry, models_dir) -> int:
         t0 = time.monotonic()
         try:
             verify(path, entry)
+            if entry is None:
+                # The user vouches for their own file here: loading checks it against this hash.
+                record_local_checksum(path)
         except ModelError as e:
             print(_failed(label, e))
             failures += 1
             continue
-        what = "sha256 verified" if entry else "GGUF header readable; no registry checksum"
+        what = "sha256 verified" if entry else "GGUF header readable; checksum recorded for later loads"
         print(f"{label}: ok ({what} in {_seconds(time.monotonic() - t0)})")
     return 1 if failures else 0
 

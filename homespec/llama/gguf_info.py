@@ -65,6 +65,9 @@ class GGUFInfo:
     pad_token_id: int | None
     chat_template: str | None
     tensor_bytes: int  # bytes of tensor data (weights)
+    # The input embedding and output matrices (the memory plan places them apart from the layers).
+    token_embd_bytes: int | None = None  # bytes of token_embd.weight; None when the file has none
+    output_bytes: int | None = None  # bytes of output.weight; 0 when tied to token_embd (absent)
 
     def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
         """KV-cache bytes one token costs: K and V, all layers (f16 = 2 bytes per element)."""
@@ -197,11 +200,11 @@ def _read_header(path: Path, want_tokens: bool) -> _Header:
         raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _tensor_bytes(h: _Header) -> int:
-    """Sum of tensor data sizes; checks that every tensor lies inside the file."""
+def _tensor_sizes(h: _Header) -> dict[str, int]:
+    """Data size in bytes of every tensor, by name; checks that every tensor lies inside the file."""
     from gguf.constants import GGML_QUANT_SIZES  # deferred: importing gguf costs ~0.1 s
 
-    total = 0
+    sizes_by_name: dict[str, int] = {}
     for name, dims, ggml_type, t_off in h.tensors:
         sizes = GGML_QUANT_SIZES.get(ggml_type)
         if sizes is None:
@@ -216,8 +219,8 @@ def _tensor_bytes(h: _Header) -> int:
             raise ModelError(
                 f"{h.path}: truncated: tensor {name} ends at byte {end:,} but the file has {h.size:,} bytes"
             )
-        total += nbytes
-    return total
+        sizes_by_name[name] = nbytes
+    return sizes_by_name
 
 
 def _info_from(h: _Header) -> GGUFInfo:
@@ -248,6 +251,8 @@ def _info_from(h: _Header) -> GGUFInfo:
     head_dim = n_embd // n_head if n_head else 0
     template = kv.get("tokenizer.chat_template")
     pre = kv.get("tokenizer.ggml.pre")
+    sizes = _tensor_sizes(h)  # bytes by tensor name
+    embd = sizes.get("token_embd.weight")
     return GGUFInfo(
         path=h.path,
         file_size=h.size,
@@ -268,7 +273,10 @@ def _info_from(h: _Header) -> GGUFInfo:
         eot_token_id=opt_int("tokenizer.ggml.eot_token_id"),
         pad_token_id=opt_int("tokenizer.ggml.padding_token_id"),
         chat_template=template if isinstance(template, str) else None,
-        tensor_bytes=_tensor_bytes(h),
+        tensor_bytes=sum(sizes.values()),
+        token_embd_bytes=embd,
+        # No output.weight: llama.cpp ties the output to token_embd (the plan copies it then).
+        output_bytes=sizes.get("output.weight", 0) if embd is not None else None,
     )
 
 

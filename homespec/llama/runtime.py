@@ -36,6 +36,7 @@ log = logging.getLogger("homespec.llama.runtime")
 _llama_log = logging.getLogger("homespec.llama_cpp")
 
 Output = Literal["all", "last", "none"]
+_C_SPACE = " \t\n\v\f\r"  # C isspace(), what llama.cpp strips around lstrip/rstrip tokens
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -114,6 +115,15 @@ class Runtime:
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
+        # Speculation rolls rejected tokens back out of the cache (truncate); a recurrent state
+        # (Mamba, RWKV) or a hybrid one cannot drop a suffix, so such a model cannot be served.
+        kind = ("recurrent" if llama_cpp.llama_model_is_recurrent(self._model)
+                else "hybrid (attention + recurrent)" if llama_cpp.llama_model_is_hybrid(self._model) else None)
+        if kind:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+            raise ModelError(f"{self.path}: {kind} models are not supported: homespec needs a KV cache "
+                             "that can drop rejected draft tokens")
         self._vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
         self.n_embd: int = llama_cpp.llama_model_n_embd(self._model)
@@ -278,14 +288,14 @@ class Runtime:
         return np.ctypeslib.as_array(ptr, shape=(rows * cols,)).reshape(rows, cols).copy()
 
     def truncate(self, n: int) -> None:
-        """Keep the first n positions of the cache."""
+        """Keep the first n positions of the cache; RuntimeError when llama.cpp cannot."""
         if n < len(self.tokens):
             if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n, -1):
-                # Cannot happen for a standard KV cache; for a recurrent one start over.
-                llama_cpp.llama_memory_clear(self._mem, True)
-                self.tokens.clear()
-                self._hid_n = 0
-                return
+                # Only a recurrent or hybrid memory refuses (refused at load). Clearing instead
+                # would let decoding go on from position 0 as if the context were still there.
+                raise RuntimeError(
+                    f"llama.cpp could not truncate the KV cache of {self.path.name} to {n} of {len(self.tokens)} positions"
+                )
             del self.tokens[n:]
             self._hid_n = max(0, min(self._hid_n, n - self._hid_start))
 
@@ -336,6 +346,70 @@ class Runtime:
             buf = (llama_cpp.llama_token * cap)()
             n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         return list(buf[:n])
+
+    def tokenize_parts(self, parts: Sequence[tuple[str, bool]], *, add_special: bool = True) -> list[int]:
+        """Tokenize (text, trusted) parts: special-token markers count only in trusted parts.
+
+        This is llama.cpp's own partition (llama-vocab.cpp tokenizer_st_partition: control and
+        unknown tokens, longest first, with their lstrip/rstrip attributes) applied to the trusted
+        parts alone; the text between two markers, trusted and untrusted together, is tokenized
+        in one call with parse_special=False, as llama.cpp tokenizes each fragment. So the ids
+        equal tokenize("".join(texts), parse_special=True) whenever the untrusted parts hold no
+        marker text.
+        """
+        # items: a str is raw text still to partition (trusted) or to keep (untrusted: tagged
+        # by wrapping it in a 1-tuple); an int is a special token found in trusted text.
+        items: list[str | tuple[str] | int] = [t if trusted else (t,) for t, trusted in parts if t]
+        for text, tid, _attr in self._special_tokens():
+            out: list[str | tuple[str] | int] = []
+            for it in items:
+                if not isinstance(it, str) or text not in it:
+                    out.append(it)
+                    continue
+                chunks = it.split(text)
+                for i, chunk in enumerate(chunks):
+                    if i:
+                        out.append(tid)
+                    out.append(chunk)
+            items = out
+        ids: list[int] = [self.bos_id] if add_special and self.add_bos else []
+        run: list[str] = []
+        rstrip_next = False
+        for it in [*items, -1]:  # -1: a sentinel that flushes the last run
+            if isinstance(it, int):
+                text = "".join(run)
+                attr = self._special_attrs.get(it, 0)
+                if rstrip_next:
+                    text = text.lstrip(_C_SPACE)
+                if attr & llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP:
+                    text = text.rstrip(_C_SPACE)
+                if text:
+                    ids += self.tokenize(text, add_special=False, parse_special=False)
+                if it >= 0:
+                    ids.append(it)
+                rstrip_next = bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP)
+                run = []
+            else:
+                run.append(it if isinstance(it, str) else it[0])
+        if add_special and llama_cpp.llama_vocab_get_add_eos(self._vocab):
+            ids.append(llama_cpp.llama_vocab_eos(self._vocab))
+        return ids
+
+    def _special_tokens(self) -> list[tuple[str, int, int]]:
+        """(text, id, attributes) of the control and unknown tokens, longest text first: the
+        markers parse_special=True recognises (user-defined tokens are matched either way)."""
+        if getattr(self, "_specials", None) is None:
+            found = []
+            for t in range(self.n_vocab):  # n_vocab ctypes calls, once: ~0.1 s for 152k tokens
+                attr = llama_cpp.llama_vocab_get_attr(self._vocab, t)
+                if attr & (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN):
+                    text = self.token_text(t)
+                    if text:
+                        found.append((text, t, attr))
+            found.sort(key=lambda x: -len(x[0].encode()))  # llama.cpp sorts by byte length
+            self._specials = found
+            self._special_attrs = {t: attr for _, t, attr in found}
+        return self._specials
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (special tokens render as b"" unless special=True)."""

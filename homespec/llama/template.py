@@ -3,11 +3,17 @@
 The template is Jinja2 (Hugging Face's `tokenizer.chat_template`), rendered in a sandbox as
 transformers and llama-cpp-python do, with the helpers templates commonly call
 (`raise_exception`, `strftime_now`).
+
+`render_parts` keeps apart what the template wrote (its turn markers may be special tokens) and
+what the messages say (always text): a message containing "<|im_end|>" must not close its turn.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +27,13 @@ CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+log = logging.getLogger("homespec.llama.template")
+
+# (text, trusted): trusted text was written by the template and may hold special-token markers;
+# the rest is message content, to be tokenized as plain text.
+Part = tuple[str, bool]
 
 
 class TemplateError(UserError):
@@ -53,3 +66,59 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
+
+    def render_parts(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[Part]:
+        """The rendered prompt as (text, trusted) parts; joined, they equal `render(...)`.
+
+        Renders once as usual and once with each message's content replaced by an unguessable
+        placeholder; the placeholder render gives the template's own text, and the contents are
+        located between those pieces in the real render (as given, or stripped: templates that
+        `| trim` content are common). A template whose text depends on the content some other
+        way falls back to the placeholder render with the content spliced in unchanged (logged).
+        """
+        plain = self.render(messages, add_generation_prompt)
+        nonce = secrets.token_hex(8)
+        contents: list[str] = []
+        masked = []
+        for m in messages:
+            m = dict(m)
+            c = m.get("content")
+            if isinstance(c, str) and c:  # empty content has nothing to protect; templates test it
+                m["content"] = f"\ue000{nonce}:{len(contents)}\ue001"
+                contents.append(c)
+            masked.append(m)
+        if not contents:
+            return [(plain, True)]
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(masked, add_generation_prompt))
+        literals, order = pieces[0::2], [int(i) for i in pieces[1::2]]  # order: content index per slot
+        if any("\ue000" in lit or "\ue001" in lit for lit in literals):
+            # The template cut a placeholder (slices content): there is no telling content from
+            # template text, so the prompt is tokenized as before.
+            log.warning("the chat template rewrites message content; special-token text in messages is not escaped")
+            return [(plain, True)]
+        parts = _locate(plain, literals, [contents[i] for i in order])
+        if parts is None:
+            log.warning("the chat template changes message content in a way homespec cannot follow; "
+                        "content is passed to the model as the client sent it")
+            parts = [(literals[0], True)]
+            for i, lit in zip(order, literals[1:]):
+                parts += [(contents[i], False), (lit, True)]
+        return [p for p in parts if p[0]]
+
+
+def _locate(plain: str, literals: list[str], contents: list[str]) -> list[Part] | None:
+    """Split `plain` into literals[0] c0 literals[1] c1 ... where each c is its content as given
+    or stripped; None when the render does not have that shape."""
+    if not plain.startswith(literals[0]):
+        return None
+    parts: list[Part] = [(literals[0], True)]
+    at = len(literals[0])
+    for content, lit in zip(contents, literals[1:]):
+        for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            if plain.startswith(cand + lit, at):
+                parts += [(cand, False), (lit, True)]
+                at += len(cand) + len(lit)
+                break
+        else:
+            return None
+    return parts if at == len(plain) else None

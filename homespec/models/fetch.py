@@ -8,9 +8,19 @@ always complete; a failure removes the partial file and the temporary folder.
 
 A full sha256 reads the whole file (1.1 GB: ~1 s from the page cache, far longer from a cold
 disk), so a successful check leaves a stamp beside the model, `.<file>.verified` (JSON: size,
-mtime_ns, sha256). A later pull trusts the stamp while the file's size and mtime are unchanged;
-`verify` always re-hashes. The stamp guards against
-truncation and replacement, not against a same-size, same-mtime edit in place.
+mtime_ns, ino, ctime_ns, sha256). A later pull or load trusts the stamp while all four match;
+`verify` always re-hashes. ctime is in the key because mtime alone can be put back (`touch -d`,
+`os.utime`) after an edit in place, while the kernel sets ctime on every write, utime, rename and
+chmod, and no user can set it: any rewrite invalidates the stamp (a chmod only costs a re-hash).
+
+Loading (`resolve_model_path`, used by `serve`, `run`, the daemon and `train-mtp`) refuses a
+registry model whose stamp is missing or stale unless a fresh sha256 matches the registry. A
+`path:` model has no registry hash: its sha256 is recorded on first load and the file is re-hashed
+whenever the stat key changes; a different hash is refused until `homespec models verify` accepts
+the new file. Those records live in a state folder (`state_dir()`), not beside the file: a user's
+model folder may be read-only (our own unit marks models outside the StateDirectory
+ReadOnlyPaths), shared, or belong to another tool, and a record nobody can write protects nothing.
+The check runs before llama.cpp maps the file, so a write between the two is not caught.
 
 Limits: two pulls of the same model at the same time share the `.partial` name and are not
 serialised; a pull killed with SIGKILL leaves a `.tmp-*` folder and `.partial` file (the next pull
@@ -23,6 +33,7 @@ import errno
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -44,6 +55,7 @@ if TYPE_CHECKING:
     from homespec.config import Config, ModelRef
 
 Progress = Callable[[str], None]
+log = logging.getLogger("homespec.models.fetch")
 
 _AGAIN = "; re-run `homespec models pull`"
 _CHUNK = 4 * 1024 * 1024  # bytes per read/write: large enough that syscalls do not dominate
@@ -79,21 +91,73 @@ def stamp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.verified")
 
 
-def _sha256_file(path: Path) -> str:
+# Called with (bytes hashed, file size) while hashing; bytes.
+HashProgress = Callable[[int, int], None]
+_BIG_FILE = 256 * 2**20  # bytes: hashing takes long enough from a cold disk to show progress
+
+
+def _sha256_file(path: Path, progress: HashProgress | None = None) -> str:
     h = hashlib.sha256()
+    total = path.stat().st_size if progress else 0  # bytes
+    done = 0  # bytes
     with open(path, "rb") as f:
         while buf := f.read(_CHUNK):
             h.update(buf)
+            if progress:
+                done += len(buf)
+                progress(done, total)
     return h.hexdigest()
 
 
-def _write_stamp(path: Path, sha256: str) -> None:
-    st = path.stat()
-    record = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+class StderrHashProgress:
+    """'checking sha256 of X: 42 %' on stderr: redrawn in place on a terminal, every 25 % in a
+    log (journald would keep every redraw as a line)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tty = sys.stderr.isatty()
+        self._shown = -1  # last percentage printed
+
+    def __call__(self, done: int, total: int) -> None:
+        pct = 100 * done // max(1, total)
+        step = 1 if self.tty else 25
+        if pct // step == self._shown // step and self._shown >= 0:
+            return
+        self._shown = pct
+        start = "\r" if self.tty else ""
+        end = "\n" if (not self.tty or done >= total) else ""
+        print(f"{start}checking sha256 of {self.name}: {pct} %", end=end, file=sys.stderr, flush=True)
+
+
+def _stderr_progress(path: Path) -> HashProgress | None:
     try:
-        stamp_path(path).write_text(json.dumps(record) + "\n")
+        big = path.stat().st_size >= _BIG_FILE
     except OSError:
-        pass  # the stamp only saves time; a read-only models folder still works
+        return None
+    return StderrHashProgress(path.name) if big else None
+
+
+def _file_key(st: os.stat_result) -> dict[str, int]:
+    """What a stamp is tied to; any rewrite, replacement or copy changes one of them."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
+
+
+def _save_json(dest: Path, record: dict[str, object]) -> bool:
+    """Write atomically (temp + rename): a daemon and a test run may stamp the same file at once."""
+    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, dest)
+        return True
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    # The stamp only saves time; a read-only models folder still works (re-hashed per process).
+    _save_json(stamp_path(path), {**_file_key(path.stat()), "sha256": sha256})
 
 
 def _drop_stamp(path: Path) -> None:
@@ -103,19 +167,109 @@ def _drop_stamp(path: Path) -> None:
         pass  # a read-only folder: is_verified still rejects a stamp that does not match
 
 
-def is_verified(path: Path, entry: RegistryEntry) -> bool:
-    """True when a stamp vouches for `path` (same size and mtime as when its sha256 matched)."""
+def _stamp_matches(stamp: Path, st: os.stat_result, sha256: str | None) -> bool:
     try:
-        st = path.stat()
-        record = json.loads(stamp_path(path).read_text())
+        record = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
-    return (
-        isinstance(record, dict)
-        and record.get("size") == st.st_size == entry.size
-        and record.get("mtime_ns") == st.st_mtime_ns
-        and record.get("sha256") == entry.sha256
-    )
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in _file_key(st).items()):
+        return False
+    return sha256 is None or record.get("sha256") == sha256
+
+
+def is_verified(path: Path, entry: RegistryEntry) -> bool:
+    """True when a stamp vouches for `path` (same size, mtime, inode and ctime as when its sha256
+    matched the registry)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_size == entry.size and _stamp_matches(stamp_path(path), st, entry.sha256)
+
+
+# Files hashed in this process, by (path, stat key): a read-only folder keeps its stale stamp,
+# and serve, the daemon's plan and the loader each resolve the same model.
+_checked: dict[tuple[str, tuple[int, ...]], str] = {}
+
+
+def _hash_once(path: Path, st: os.stat_result, progress: HashProgress | None) -> str:
+    key = (str(path), tuple(_file_key(st).values()))
+    if key not in _checked:
+        _checked[key] = _sha256_file(path, progress)
+    return _checked[key]
+
+
+def check_registry_model(path: Path, entry: RegistryEntry, progress: HashProgress | None = None) -> None:
+    """Refuse to load `path` unless its stamp is current or a fresh sha256 matches the registry."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror or e}){_AGAIN}") from None
+    if st.st_size != entry.size:
+        what = "truncated" if st.st_size < entry.size else "too long"
+        raise ModelError(f"{path}: {what}: {st.st_size:,} bytes, expected {entry.size:,}{_AGAIN}")
+    if _stamp_matches(stamp_path(path), st, entry.sha256):
+        return
+    actual = _hash_once(path, st, progress)
+    if actual != entry.sha256:
+        raise ModelError(
+            f"{path}: refusing to load {entry.name}: sha256 {actual} does not match the registry's "
+            f"{entry.sha256} (corrupt or modified){_AGAIN}"
+        )
+    _write_stamp(path, actual)
+
+
+def state_dir() -> Path:
+    """Where homespec keeps what it learns about files it does not own.
+
+    $HOMESPEC_STATE_DIR, else systemd's $STATE_DIRECTORY (StateDirectory=homespec), else
+    $XDG_STATE_HOME/homespec, else ~/.local/state/homespec.
+    """
+    for var in ("HOMESPEC_STATE_DIR", "STATE_DIRECTORY"):
+        if os.environ.get(var):
+            return Path(os.environ[var].split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "state") / "homespec"
+
+
+def local_stamp_path(path: Path) -> Path:
+    """The record of a `path:` model's checksum: one file per absolute path in the state folder."""
+    path = Path(os.path.abspath(path))
+    digest = hashlib.sha256(str(path).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return state_dir() / "checksums" / f"{digest}-{path.name}.json"
+
+
+def record_local_checksum(path: Path, progress: HashProgress | None = None) -> str:
+    """Hash a `path:` model and record it as the accepted version; returns the sha256."""
+    st = path.stat()
+    sha = _hash_once(path, st, progress)
+    stamp = local_stamp_path(path)
+    if not _save_json(stamp, {**_file_key(st), "sha256": sha, "path": str(Path(os.path.abspath(path)))}):
+        log.warning("cannot record the checksum of %s in %s; it will be re-hashed at every start", path, stamp.parent)
+    return sha
+
+
+def check_local_model(path: Path, progress: HashProgress | None = None) -> None:
+    """A `path:` model: record its sha256 on first load; when the file changed since (stat key),
+    re-hash and refuse it if the content differs from what was recorded."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise ModelError(f"{path}: cannot read ({e.strerror or e})") from None
+    stamp = local_stamp_path(path)
+    if _stamp_matches(stamp, st, None):
+        return
+    try:
+        recorded = json.loads(stamp.read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        recorded = None  # first load (or an unreadable record): accept and record this file
+    actual = _hash_once(path, st, progress)
+    if recorded is not None and actual != recorded:
+        raise ModelError(
+            f"{path}: refusing to load: the file changed since it was first loaded (sha256 {actual}, "
+            f"recorded {recorded}); if you replaced it on purpose, run `homespec models verify` to accept it"
+        )
+    record_local_checksum(path)
 
 
 def verify(path: Path, entry: RegistryEntry | None = None) -> None:
@@ -322,16 +476,23 @@ def pull(
 # --- config -------------------------------------------------------------------------------------
 
 
-def resolve_model_path(cfg: Config, ref: ModelRef) -> Path:
-    """The GGUF file a config entry points at; ModelError when it is not on disk."""
+def resolve_model_path(cfg: Config, ref: ModelRef, progress: HashProgress | None = None) -> Path:
+    """The GGUF file a config entry points at, checked before anything loads it.
+
+    ModelError when it is not on disk, when a registry model's sha256 no longer matches (checked
+    in full only when its stamp is missing or stale), or when a `path:` model changed since its
+    checksum was recorded. `progress` defaults to a line on stderr for files of 256 MiB and more.
+    """
     if ref.path is not None:
         path = cfg.resolve(ref.path)
         if not path.is_file():
             raise ModelError(f"model file {path} not found (set as `path` in the config)")
+        check_local_model(path, progress or _stderr_progress(path))
         return path
     assert ref.name is not None  # ModelRef's validator guarantees a name or a path
     entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name)
     path = cfg.resolve(cfg.models.dir) / entry.file
     if not path.is_file():
         raise ModelError(f"model {ref.name} not found at {path}; run `homespec models pull`")
+    check_registry_model(path, entry, progress or _stderr_progress(path))
     return path

@@ -47,11 +47,13 @@ class ModelSet:
         return self.draft_path.stem if self.draft_path else None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        text = self.template.render(messages)
+        # Only the template's own text may hold special tokens: "<|im_end|>" inside a message is
+        # text, or a message could close its turn and forge another (a system turn, say).
+        parts = self.template.render_parts(messages)
         bos = self.template.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer.
-        add_special = not (bos and text.startswith(bos))
-        return self.target.tokenize(text, add_special=add_special, parse_special=True)
+        add_special = not (bos and "".join(t for t, _ in parts).startswith(bos))
+        return self.target.tokenize_parts(parts, add_special=add_special)
 
     def encode_text(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=False)

@@ -54,7 +54,8 @@ MODEL_OVERHEAD = 64 * MiB  # bytes
 # clear refusal into a daemon that fails on the first real request.
 MIN_SHRINK_CTX = 512  # tokens
 
-# Used only when the GGUF info lacks token_embd_bytes/output_bytes: the tensor types llama.cpp's
+# Used only when the GGUF info lacks token_embd_bytes/output_bytes (a file without a
+# token_embd.weight tensor, or an info built by hand): the tensor types llama.cpp's
 # k-quant presets give these matrices (q4_K for token_embd and q6_K for output in Q4_K_M).
 _FALLBACK_EMBD_BITS = 4.5  # bits per element
 _FALLBACK_OUTPUT_BITS = 6.5625  # bits per element
@@ -92,7 +93,9 @@ class Footprint:
 
 
 def _io_bytes(info: GGUFInfo) -> tuple[int, int]:
-    """(token_embd, output) matrix sizes in bytes; output 0 when tied to token_embd."""
+    """(token_embd, output) matrix sizes in bytes; output 0 when tied to token_embd.
+
+    read_gguf_info measures both from the tensor table; the k-quant guess is the fallback."""
     embd = getattr(info, "token_embd_bytes", None)
     out = getattr(info, "output_bytes", None)
     if embd is None or out is None:

@@ -109,6 +109,10 @@ class Daemon:
         self.on_ready: Callable[[], None] = lambda: None  # e.g. sd_notify READY=1
         self.on_failed: Callable[[str], None] = lambda why: None  # e.g. stop serving, exit 1
         self._progress = time.monotonic()  # last sign of life of the worker (step, load, idle)
+        # A reload (after keep_alive) failed: the worker lives on, so the next request retries.
+        # The first load failing stops the daemon instead (on_failed): nothing was ever served.
+        self._retry_load = False
+        self._tick_failed = False  # the ticker logged an error already: log it once, not every second
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -154,7 +158,8 @@ class Daemon:
 
     def healthy(self, stall_s: float = 120.0) -> bool:
         """For the systemd watchdog: the worker lives and makes progress. A prefill chunk of 512
-        tokens takes ~13 s on 2 cores, a load plus warm-up ~30 s; no step for stall_s means hung."""
+        tokens takes ~13 s on 2 cores, a load plus warm-up ~30 s; no step for stall_s means hung.
+        A failed load (at start or a reload after keep_alive) is unhealthy until a load succeeds."""
         if self.state == "failed" or not self._worker.is_alive():
             return False
         return time.monotonic() - self._progress < stall_s
@@ -168,7 +173,7 @@ class Daemon:
                 raise NotReady("shutting down", retry_after_s=30)
             if self.state in ("loading", "warming"):
                 raise NotReady(self.state, retry_after_s=5)
-            if self.state == "failed":
+            if self.state == "failed" and not (self._retry_load and self._worker.is_alive()):
                 raise NotReady(f"failed to load: {self.error}", retry_after_s=60)
             # Room for one running job plus queue_depth waiting. Count them together: a job the
             # worker has not popped yet is about to run, so whether it still sits in the queue
@@ -291,12 +296,16 @@ class Daemon:
         self.load_s = time.perf_counter() - t0
         self.state = "warming"
         self._progress = time.monotonic()
-        session.warmup()
+        try:
+            session.warmup()
+        except BaseException:
+            session.close()  # a half-ready session must not hold the models' memory
+            raise
         self._progress = time.monotonic()
         self.warmup_s = session.warmup_s
         self.session = session
         self.cold_loads += cold
-        self.state = "ready"
+        self.state, self.error, self._retry_load = "ready", None, False
         self.metrics.warm.set(1)
         self.metrics.model_loaded.labels("target").set(1)
         self.metrics.model_loaded.labels("draft").set(1 if session.models.draft is not None else 0)
@@ -322,11 +331,16 @@ class Daemon:
         t0 = time.perf_counter()
         self._progress = time.monotonic()
         deadline = time.monotonic() + job.timeout_s
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # the client left while the job waited for its turn
+            self._record_abandoned(job)
             return
         cold = self.session is None
         if cold:
-            self._load(cold=True)
+            try:
+                self._load(cold=True)
+            except Exception as e:
+                self._reload_failed(job, e)
+                return
         session = self.session
         assert session is not None
         models = session.models
@@ -375,6 +389,25 @@ class Daemon:
         self._record(job, st, status, cold, req.mode)
         self.metrics.observe_request(status, st, seconds)
 
+    def _reload_failed(self, job: Job, e: Exception) -> None:
+        """A load after keep_alive failed: say why to this request and to /health (unhealthy, so
+        the systemd watchdog restarts us), and let the next request try again."""
+        log.error("reloading models failed: %s", e, exc_info=not isinstance(e, UserError))
+        with self._cv:
+            self.state, self.error, self._retry_load = "failed", str(e), True
+        self.metrics.warm.set(0)
+        self.metrics.requests.labels("load_failed").inc()
+        job.sink(JobEvent("error", text=f"models failed to load: {e}", status=503, code="load_failed"))
+
+    def _record_abandoned(self, job: Job) -> None:
+        """A job cancelled while queued: it never ran, but it leaves a trace in the log and metrics."""
+        waited = time.time() - job.created  # seconds
+        log.info("request %s cancelled after %.1f s in the queue", job.id, waited)
+        self.metrics.requests.labels("cancelled_in_queue").inc()
+        self.live.add_abandoned(
+            RequestRecord(id=job.id, time=job.created, mode=job.request.mode, status="cancelled", finish_reason="cancelled_in_queue")
+        )
+
     def _record(self, job: Job, st: GenerationStats, status: str, cold: bool, mode: str) -> None:
         baseline = self.session.controller.view.baseline_tps if self.session else None
         tps = st.decode_tps
@@ -397,23 +430,33 @@ class Daemon:
         )
 
     def _tick(self) -> None:
-        """Once a second: close the speed bucket and refresh memory gauges."""
+        """Once a second: close the speed bucket and refresh memory gauges. Never dies: an error
+        is logged once and the next second tries again."""
         while not self._stop:
-            baseline = self.session.controller.view.baseline_tps if self.session else None
-            self.live.tick(baseline)
-            vm = psutil.virtual_memory()
-            self.metrics.ram_available.set(vm.available)
-            self.metrics.ram_reserve.set(self.cfg.memory.reserve_mib * 2**20)
-            if self.session is not None:
-                v = self.session.controller.view
-                if v.effective_tps:
-                    self.metrics.tokens_per_second.set(v.effective_tps)
-                if v.baseline_tps:
-                    self.metrics.baseline_tokens_per_second.set(v.baseline_tps)
-                if v.speedup:
-                    self.metrics.speedup.set(v.speedup)
-                self.metrics.draft_k.set(v.k)
+            try:
+                self._tick_once()
+            except Exception:
+                if not self._tick_failed:
+                    log.exception("stats ticker failed (logged once; it keeps running)")
+                    self._tick_failed = True
             time.sleep(1.0)
+
+    def _tick_once(self) -> None:
+        # One read: the worker may unload the session (keep_alive) between two reads.
+        session = self.session
+        v = session.controller.view if session is not None else None
+        self.live.tick(v.baseline_tps if v is not None else None)
+        vm = psutil.virtual_memory()
+        self.metrics.ram_available.set(vm.available)
+        self.metrics.ram_reserve.set(self.cfg.memory.reserve_mib * 2**20)
+        if v is not None:
+            if v.effective_tps:
+                self.metrics.tokens_per_second.set(v.effective_tps)
+            if v.baseline_tps:
+                self.metrics.baseline_tokens_per_second.set(v.baseline_tps)
+            if v.speedup:
+                self.metrics.speedup.set(v.speedup)
+            self.metrics.draft_k.set(v.k)
 
     def uptime(self) -> float:
         return time.time() - self.started

@@ -113,6 +113,11 @@ class LiveStats:
             self.tokens_reused += st.cached_tokens
             self.tokens_evaluated += st.prompt_tokens - st.cached_tokens
 
+    def add_abandoned(self, rec: RequestRecord) -> None:
+        """A request that left the queue before it ran: shown in the log, not counted as served."""
+        with self._lock:
+            self.requests.appendleft(rec)
+
     def snapshot(self) -> LiveSnapshot:
         """Aggregates over the step window, for the stats view."""
         with self._lock:
@@ -149,6 +154,8 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # status: ok | cancelled | timeout | error from a run; cancelled_in_queue (the client left
+        # before its turn) and load_failed (a reload failed) for requests that never ran.
         self.requests = Counter("homespec_requests", "Requests finished, by status", ["status"], registry=r)
         self.prompt_tokens = Counter("homespec_prompt_tokens", "Prompt tokens received", registry=r)
         self.cached_prompt_tokens = Counter(

@@ -32,6 +32,7 @@ def write_gguf(
     head_count_kv: int | None = 2,
     key_length: int | None = None,
     merges: int = 0,
+    output: bool = False,
 ) -> Path:
     w = gguf.GGUFWriter(str(path), "qwen2")
     if name:
@@ -59,6 +60,8 @@ def write_gguf(
     w.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}")
     w.add_tensor("token_embd.weight", np.ones((16, 16), dtype=np.float32))  # 1,024 bytes
     w.add_tensor("output_norm.weight", np.ones(64, dtype=np.float16))  # 128 bytes
+    if output:  # an untied output matrix
+        w.add_tensor("output.weight", np.ones((16, 8), dtype=np.float16))  # 256 bytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -78,6 +81,12 @@ def test_read_gguf_info_reports_architecture_shapes_and_tokenizer(tmp_path: Path
     assert info.tensor_bytes == 1024 + 128
     assert info.file_size == path.stat().st_size
     assert info.kv_bytes_per_token() == 3 * 2 * (8 + 8) * 2  # layers * kv heads * (K + V dims) * f16
+    assert (info.token_embd_bytes, info.output_bytes) == (1024, 0)  # no output.weight: tied
+
+
+def test_read_gguf_info_measures_token_embd_and_output_from_the_tensor_table(tmp_path: Path) -> None:
+    info = read_gguf_info(write_gguf(tmp_path / "tiny.gguf", output=True))
+    assert (info.token_embd_bytes, info.output_bytes, info.tensor_bytes) == (1024, 256, 1024 + 128 + 256)
 
 
 def test_info_defaults_kv_heads_to_heads_and_name_to_file_stem(tmp_path: Path) -> None:

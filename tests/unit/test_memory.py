@@ -151,6 +151,17 @@ def test_info_without_io_sizes_falls_back_to_k_quant_types():
     assert fp.weights_vram >= 49 * MiB and fp.weights_ram + fp.weights_vram == 100 * MiB
 
 
+def test_estimate_places_the_measured_io_matrices_of_a_real_gguf_header(tmp_path):
+    from homespec.llama.gguf_info import read_gguf_info
+    from tests.unit.test_gguf_info import write_gguf
+
+    info = read_gguf_info(write_gguf(tmp_path / "tiny.gguf", output=True))  # embd 1,024 B, output 256 B
+    layers_only = estimate(info, 512, 64, info.n_layer)  # every repeating layer on the GPU
+    # token_embd and output stay in RAM; before, a k-quant guess from n_vocab * n_embd was used.
+    assert layers_only.weights_ram == 1024 + 256
+    assert estimate(info, 512, 64, -1).weights_ram == 1024  # the output follows the layers
+
+
 def test_estimate_rejects_a_nonpositive_context():
     with pytest.raises(ValueError, match="n_ctx"):
         estimate(QWEN_1_5B, 0, 512, 0)

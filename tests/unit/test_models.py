@@ -336,7 +336,10 @@ def test_resolve_model_path_finds_registry_model_under_models_dir(tmp_path: Path
     assert resolve_model_path(cfg, cfg.models.target) == tmp_path / "models" / "fake-target.gguf"
 
 
-def test_resolve_model_path_uses_a_local_path_relative_to_the_config(tmp_path: Path) -> None:
+def test_resolve_model_path_uses_a_local_path_relative_to_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOMESPEC_STATE_DIR", str(tmp_path / "state"))  # where its checksum is recorded
     cfg = load_config(write_config(tmp_path, {"target": {"path": "mine.gguf", "name": "fake-target"}, "draft": None}))
     with pytest.raises(ModelError, match="mine.gguf not found"):
         resolve_model_path(cfg, cfg.models.target)

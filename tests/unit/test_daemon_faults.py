@@ -1,0 +1,193 @@
+"""Daemon faults (issue #12, 2): a failed reload, a racing stats ticker, requests cancelled in the
+queue. The daemon is built with an injected opener and a fake host: no weights."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from homespec.config import Config
+from homespec.errors import ModelError
+from homespec.serving import daemon as daemon_mod
+from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady
+from homespec.serving.host import GenerationRequest
+from homespec.speculation.engine import Event, GenerationStats
+
+WAIT_S = 20.0  # seconds: an upper bound for the worker thread to get somewhere, not a timing check
+
+
+class FakeGen:
+    def __init__(self) -> None:
+        self.stats = GenerationStats(prompt_tokens=3, completion_tokens=1, finish_reason="stop")
+
+    def __iter__(self) -> Iterator[Event]:
+        yield Event(text="hi", tokens=[5], step=None, finish_reason="stop")
+
+    def close(self) -> None:
+        pass
+
+
+class FakeHost:
+    def __init__(self, view: Any = None) -> None:
+        self.models = SimpleNamespace(draft=None, encode_chat=lambda m: [1, 2, 3], encode_text=lambda t: [1])
+        self.controller = SimpleNamespace(view=view or SimpleNamespace(baseline_tps=None, effective_tps=None, speedup=None, k=0))
+        self.warmup_s = 0.0
+        self.closed = False
+
+    def warmup(self) -> None:
+        pass
+
+    def generate(self, tokens: list[int], req: GenerationRequest) -> FakeGen:
+        return FakeGen()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_daemon(opener: Callable[..., Any], keep_alive_s: float | None = None) -> Daemon:
+    cfg = Config()
+    cfg.memory.keep_alive_s = keep_alive_s
+    d = Daemon(cfg, opener=opener)
+    d._plan = lambda: SimpleNamespace(load_draft=False, n_ctx=512)  # type: ignore[method-assign]  # no GGUF to read
+    return d
+
+
+def wait_for(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def submit(d: Daemon) -> queue.Queue[JobEvent]:
+    events: queue.Queue[JobEvent] = queue.Queue()
+    d.submit(Job(GenerationRequest(), sink=events.put, messages=[{"role": "user", "content": "hi"}]))
+    return events
+
+
+def final(events: queue.Queue[JobEvent]) -> JobEvent:
+    while True:
+        ev = events.get(timeout=WAIT_S)
+        if ev.kind in ("done", "error"):
+            return ev
+
+
+def sample(d: Daemon, status: str) -> float | None:
+    return d.metrics.registry.get_sample_value("homespec_requests_total", {"status": status})
+
+
+def test_a_failed_reload_reports_the_reason_turns_unhealthy_and_the_next_request_retries() -> None:
+    broken = {"now": False}
+
+    def opener(cfg: Config, **kw: Any) -> FakeHost:
+        if broken["now"]:
+            raise ModelError("model.gguf: sha256 does not match the registry")
+        return FakeHost()
+
+    d = make_daemon(opener, keep_alive_s=0.01)
+    d.start()
+    try:
+        wait_for(lambda: d.state == "unloaded", "the keep-alive unload")
+        broken["now"] = True
+        ev = final(submit(d))
+        assert (ev.kind, ev.status, ev.code) == ("error", 503, "load_failed")
+        assert "sha256 does not match" in ev.text
+        assert d.state == "failed" and "sha256" in (d.error or "")
+        assert not d.healthy()  # the watchdog stops pinging: systemd restarts a daemon that stays so
+        assert sample(d, "load_failed") == 1
+        broken["now"] = False
+        ev = final(submit(d))  # accepted, not refused: this request retries the load
+        assert (ev.kind, ev.finish_reason) == ("done", "stop")
+        assert d.error is None and d.cold_loads == 1
+    finally:
+        d.shutdown(1.0)
+
+
+def test_a_failed_first_load_still_refuses_requests_with_the_reason() -> None:
+    def opener(cfg: Config, **kw: Any) -> FakeHost:
+        raise ModelError("model.gguf: not found")
+
+    d = make_daemon(opener)
+    d.start()
+    try:
+        wait_for(lambda: d.state == "failed", "the failed load")
+        with pytest.raises(NotReady, match="failed to load: model.gguf: not found"):
+            submit(d)
+        assert not d.healthy()
+    finally:
+        d.shutdown(1.0)
+
+
+class _Once:
+    """time.sleep for the ticker: stops the loop after `n` rounds without waiting."""
+
+    def __init__(self, d: Daemon, n: int) -> None:
+        self.d, self.n = d, n
+
+    def __call__(self, seconds: float) -> None:
+        self.n -= 1
+        if self.n <= 0:
+            self.d._stop = True
+
+
+def fake_time(monkeypatch: pytest.MonkeyPatch, d: Daemon, rounds: int) -> None:
+    monkeypatch.setattr(daemon_mod, "time", SimpleNamespace(sleep=_Once(d, rounds), time=time.time, monotonic=time.monotonic))
+
+
+class RacingDaemon(Daemon):
+    """`session` reads follow a script: the keep-alive unload lands between two reads."""
+
+    script: list[Any] = []
+
+    @property  # type: ignore[override]
+    def session(self) -> Any:
+        return self.script.pop(0) if self.script else None
+
+    @session.setter
+    def session(self, value: Any) -> None:
+        pass
+
+
+def test_ticker_reads_the_session_once_so_an_unload_between_reads_is_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
+    view = SimpleNamespace(baseline_tps=10.0, effective_tps=12.0, speedup=1.2, k=3)
+    d = RacingDaemon(Config(), opener=lambda c, **kw: FakeHost())
+    host = FakeHost(view)
+    RacingDaemon.script = [host, host, host, None]  # the 4th read (if any) sees the unload
+    fake_time(monkeypatch, d, rounds=1)
+    d._tick()  # before the fix: AttributeError, which killed the ticker thread
+    assert d.metrics.registry.get_sample_value("homespec_spec_decode_k") == 3
+
+
+def test_ticker_survives_errors_and_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        @property
+        def baseline_tps(self) -> float:
+            raise RuntimeError("controller view broke")
+
+    d = make_daemon(lambda c, **kw: FakeHost())
+    d.session = FakeHost(Broken())  # type: ignore[assignment]
+    fake_time(monkeypatch, d, rounds=3)
+    with caplog.at_level(logging.ERROR, logger="homespec.serving.daemon"):
+        d._tick()  # returns only because _stop was set: every round's error was caught
+    assert [r.getMessage() for r in caplog.records] == ["stats ticker failed (logged once; it keeps running)"]
+
+
+def test_a_request_cancelled_while_waiting_is_counted_and_logged() -> None:
+    d = make_daemon(lambda c, **kw: FakeHost())
+    d.session, d.state = FakeHost(), "ready"  # type: ignore[assignment]
+    events: list[JobEvent] = []
+    job = Job(GenerationRequest(), sink=events.append, messages=[{"role": "user", "content": "hi"}])
+    job.cancel()  # the client hung up before its turn
+    d._run(job)
+    assert events == []  # nobody is listening any more
+    assert sample(d, "cancelled_in_queue") == 1
+    rec = d.live.snapshot().requests[0]
+    assert (rec.id, rec.status, rec.finish_reason) == (job.id, "cancelled", "cancelled_in_queue")
+    assert d.live.snapshot().requests_served == 0
