@@ -173,6 +173,36 @@ class ServerConfig(_Strict):
     # Graceful stop: in-flight generations get this long to finish before they are cancelled.
     drain_timeout_s: float = Field(20, ge=0, le=600)
     model_alias: str | None = Field(None, description="Model id reported by /v1/models (default: target name)")
+    # DNS rebinding: a web page's own name resolved to 127.0.0.1 reaches the daemon with that name
+    # in Host. Loopback names, IP literals, this machine's name and server.host are always
+    # accepted; add the names clients use for a LAN bind (e.g. "homeserver.lan", "*.lan").
+    allowed_hosts: list[str] = Field(default_factory=list, description="Extra Host names accepted")
+    # 10 s: a real client sends its whole request header in one packet; a stalled half header
+    # (slowloris) otherwise holds a socket and a file descriptor forever.
+    header_timeout_s: float = Field(10, gt=0, le=300, description="Close connections whose request does not arrive in time")
+    # uvicorn's default (5 s) keeps a reused connection cheap without letting idle ones pile up.
+    keep_alive_s: int = Field(5, ge=1, le=300, description="Close idle keep-alive connections after this long")
+    # Far below LimitNOFILE (65536 in the unit, 1024 without it) and far above what a home
+    # server's clients open; past it the connection waiting longest for its header is dropped.
+    max_connections: int = Field(512, ge=8, le=60_000, description="Open HTTP connections at most")
+
+    @field_validator("api_key")
+    @classmethod
+    def _ascii_key(cls, v: str | None) -> str | None:
+        # HTTP sends header values as bytes that servers read as latin-1, while clients encode
+        # str keys as ASCII or UTF-8: a non-ASCII key could never match, locking everyone out.
+        if v is not None and not (v.isascii() and v.isprintable() and v.strip() == v and v):
+            raise ValueError("must be printable ASCII without surrounding spaces (it travels in an HTTP header)")
+        return v
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, v: list[str]) -> list[str]:
+        # Starlette's TrustedHostMiddleware matching: exact names or a leading "*." wildcard.
+        for pattern in v:
+            if not pattern or "*" in pattern[1:] or (pattern.startswith("*") and not pattern.startswith("*.")):
+                raise ValueError(f"{pattern!r}: use a host name, or a wildcard like '*.example.com'")
+        return v
 
 
 class MemoryConfig(_Strict):

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
-from pathlib import Path
 
 from homespec.cli.common import add_config_argument, add_config_flags, config_path
 from homespec.config import ServerConfig
 from homespec.errors import UserError
+
+# sysexits.h EX_CONFIG: the models could not be loaded with this config (corrupt GGUF, memory
+# plan that can never fit). The unit lists it in RestartPreventExitStatus=: a restart re-reads
+# the same files and fails the same way. Exit 2 (a usage or config error found before start) is
+# the CLI's own, in homespec/__main__.py.
+EXIT_CONFIG = 78
+# After drain_timeout_s our streams end themselves (an error event, then [DONE]); uvicorn's own
+# hard bound comes this much later, only as a backstop.
+DRAIN_BACKSTOP_S = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def resolve_api_key(cfg) -> str | None:  # cfg: homespec.config.Config
     """Config value, else $HOMESPEC_API_KEY, else the first line of server.api_key_file."""
     if cfg.server.api_key:
-        return cfg.server.api_key
+        return cfg.server.api_key  # config.py has checked it is printable ASCII
     if os.environ.get("HOMESPEC_API_KEY"):
-        return os.environ["HOMESPEC_API_KEY"]
+        return _checked_key(os.environ["HOMESPEC_API_KEY"], "HOMESPEC_API_KEY")
     if cfg.server.api_key_file:
         path = cfg.resolve(cfg.server.api_key_file)
         try:
@@ -31,8 +40,16 @@ def resolve_api_key(cfg) -> str | None:  # cfg: homespec.config.Config
             raise UserError(f"server.api_key_file: cannot read a key from {path}") from None
         if not key:
             raise UserError(f"server.api_key_file: {path} is empty")
-        return key
+        return _checked_key(key, f"server.api_key_file ({path})")
     return None
+
+
+def _checked_key(key: str, source: str) -> str:
+    # Same rule as ServerConfig.api_key: header bytes are read as latin-1, clients send ASCII or
+    # UTF-8, so a non-ASCII key would never match and lock every client out.
+    if not (key.isascii() and key.isprintable()):
+        raise UserError(f"{source}: the API key must be printable ASCII (it travels in an HTTP header)")
+    return key
 
 
 def check_bind(host: str, api_key: str | None, allow_unauthenticated_remote: bool) -> None:
@@ -61,10 +78,12 @@ def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config, override
     from homespec.serving.app import create_app
     from homespec.serving.daemon import Daemon
+    from homespec.serving.http_server import install_repeat_filter, uvicorn_config
     from homespec.serving.systemd import SystemdNotifier
 
     log = logging.getLogger("homespec.serve")
-    cfg = load_config(config_path(args.config))
+    cfg_file = config_path(args.config)
+    cfg = load_config(cfg_file)
     override(cfg.server, {"host": args.host, "port": args.port}, "--")
     api_key = resolve_api_key(cfg)
     check_bind(cfg.server.host, api_key, cfg.server.allow_unauthenticated_remote)
@@ -94,23 +113,19 @@ def main(args: argparse.Namespace) -> int:
 
     def on_failed(why: str) -> None:
         nonlocal exit_code
-        exit_code = 1  # Restart=on-failure applies; a config error (exit 2) is not retried
+        # Loading failed (corrupt model, a memory plan that cannot fit): the same files fail the
+        # same way again, so say "config" and let the unit's RestartPreventExitStatus= stop the
+        # restart loop (exit 2, found before start, is not retried either).
+        exit_code = EXIT_CONFIG
         notifier.status(f"failed: {why}")
         server.should_exit = True
 
     daemon.on_ready = lambda: threading.Thread(target=announce_ready, daemon=True).start()
     daemon.on_failed = on_failed
     app = create_app(daemon, api_key=api_key, address=address)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=cfg.server.host,
-            port=cfg.server.port,
-            log_level="info",
-            access_log=False,
-            timeout_graceful_shutdown=max(1, int(cfg.server.drain_timeout_s)),
-        )
-    )
+    backstop_s = math.ceil(cfg.server.drain_timeout_s) + DRAIN_BACKSTOP_S
+    server = uvicorn.Server(uvicorn_config(app, cfg.server, log_level="info", timeout_graceful_shutdown=backstop_s))
+    install_repeat_filter()  # after uvicorn's Config, which (re)configures its loggers
 
     def handle_exit(sig: int, frame) -> None:
         # SIGTERM/SIGINT: stop taking work first (queued requests get 503), then let uvicorn stop
@@ -121,6 +136,8 @@ def main(args: argparse.Namespace) -> int:
         # stream at once, which would cut the answers the drain is meant to let finish.
         log.info("signal %s: draining (up to %.0f s)", signal.Signals(sig).name, cfg.server.drain_timeout_s)
         notifier.stopping()
+        if app.state.drain_deadline is None:  # a second signal keeps the first bound
+            app.state.drain_deadline = time.monotonic() + cfg.server.drain_timeout_s
         daemon.begin_drain()
         if server.should_exit and sig == signal.SIGINT:
             server.force_exit = True  # a second Ctrl-C: stop now, as uvicorn does
@@ -128,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
     daemon.start()
-    log.info("homespec %s starting on %s (config %s)", daemon.version(), address, Path(args.config or "defaults"))
+    log.info("homespec %s starting on %s (config %s)", daemon.version(), address, cfg_file or "defaults: no config.yaml here")
     try:
         server.run()
     finally:

@@ -9,7 +9,6 @@ handlers read what they need from `request.app.state`.
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 from fastapi import FastAPI, Request
@@ -17,17 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon
+from homespec.serving.middleware import ApiKeyAuth, BodyLimit, JsonOnly, SameOrigin, TrustedHost, trusted_hosts
 from homespec.serving.routes import admin, health, openai
 from homespec.serving.routes.common import error_response, validation_error
 
 log = logging.getLogger("homespec.serving.app")
-
-OPEN_PATHS = ("/health", "/ready", "/docs", "/openapi.json")
-
 
 def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") -> FastAPI:
     cfg = daemon.cfg
@@ -35,14 +31,19 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     app.state.daemon = daemon
     app.state.address = address  # as advertised in /v1/homespec/stats
 
+    app.state.drain_deadline = None  # monotonic time at which open answers are cut (set on SIGTERM)
+
+    # The last one added runs first: host, auth, origin, content type, body size, CORS.
     if cfg.server.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=cfg.server.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])
-    app.add_middleware(_BodyLimit, max_bytes=cfg.server.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=cfg.server.max_body_bytes)
+    app.add_middleware(JsonOnly)
+    if not api_key:
+        # With a key, a cross-site page cannot forge the request anyway (it lacks the key).
+        app.add_middleware(SameOrigin, cors_origins=cfg.server.cors_origins)
     if api_key:
-        # Pure ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware wraps `receive`
-        # so that Request.is_disconnected() never sees the client leave, and a non-streaming
-        # request whose client hung up would generate on until its timeout.
-        app.add_middleware(_Auth, api_key=api_key)
+        app.add_middleware(ApiKeyAuth, api_key=api_key)  # pure ASGI (see middleware.py for why)
+    app.add_middleware(TrustedHost, allowed_hosts=trusted_hosts(cfg.server))
 
     app.add_exception_handler(oa.ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
@@ -72,68 +73,3 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 async def _crash(_: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error")
     return error_response(oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error"))
-
-
-class _Auth:
-    """401 for requests without the right bearer key, except the open paths (pure ASGI)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS) or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            msg = "missing API key (send 'Authorization: Bearer <key>')" if not token else "invalid API key"
-            return await error_response(oa.ApiError(401, msg, code="invalid_api_key"))(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-class _BodyLimit:
-    """413 for bodies over max_bytes, by Content-Length or while streaming in (pure ASGI)."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        too_big = oa.ApiError(413, f"request body larger than {self.max_bytes} bytes", code="body_too_large")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(too_big)(scope, receive, send)
-        seen = 0
-        cut = started = False
-
-        async def limited():
-            nonlocal seen, cut
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    cut = True
-                    raise _TooBig()
-            return message
-
-        async def guarded(message) -> None:
-            # FastAPI turns any error while reading the body into its own 400 ("error parsing
-            # the body"): once the body was cut, drop whatever the app answers and send the 413.
-            nonlocal started
-            if cut:
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited, guarded)
-        except _TooBig:
-            pass
-        if cut and not started:
-            await error_response(too_big)(scope, receive, send)
-
-
-class _TooBig(Exception):
-    pass

@@ -29,6 +29,13 @@ SYSTEM_STATE_DIR = Path("/var/lib/homespec")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
 # ProtectHome=yes hides these; a checkout, config or models under them needs ProtectHome=read-only.
 HOME_DIRS = (Path("/home"), Path("/root"), Path("/run/user"))
+# PrivateTmp=yes gives the service an empty /tmp and /var/tmp: a venv or config there vanishes.
+TMP_DIRS = (Path("/tmp"), Path("/var/tmp"))
+# Each HTTP connection is a file descriptor; systemd's default soft limit (1,024) is reached by
+# ~1,000 stalled clients. server.max_connections (512) stays far below this.
+NOFILE_LIMIT = 65536
+# homespec.cli.serve.EXIT_CONFIG: the models cannot be loaded with this config; not retried.
+EXIT_CONFIG = 78
 
 # READY=1 comes after model load + warm-up. On a 2-core CPU: mmap + page-in of ~1.6 GB of GGUF
 # (40 s from an SD card), then the controller's timed passes (~30 s); 300 leaves room for both.
@@ -137,8 +144,11 @@ def render_unit(
         f"TimeoutStopSec={stop_s}",
         "Restart=on-failure",
         f"RestartSec={RESTART_S}",
-        "# Exit 2 is a config or usage error: restarting cannot fix it.",
-        "RestartPreventExitStatus=2",
+        "# Exit 2 is a config or usage error, 78 (EX_CONFIG) a config the models cannot be loaded",
+        "# with (corrupt GGUF, memory plan that cannot fit): restarting cannot fix either.",
+        f"RestartPreventExitStatus=2 {EXIT_CONFIG}",
+        "# One file descriptor per HTTP connection: 1,024 stalled clients would exhaust the default.",
+        f"LimitNOFILE={NOFILE_LIMIT}",
     ]
     if mlock and not user:
         out += ["# runtime.use_mlock: llama.cpp locks the weights in RAM.", "LimitMEMLOCK=infinity"]
@@ -147,6 +157,8 @@ def render_unit(
     out += _seccomp_sandbox()
     if not user:
         out += ["CapabilityBoundingSet=", "UMask=0027"]
+    else:
+        out += ["UMask=0077"]  # no homespec group to share files with: private to the user
     out += ["", "[Install]", f"WantedBy={'default.target' if user else 'multi-user.target'}", ""]
     return "\n".join(out)
 
@@ -154,6 +166,11 @@ def render_unit(
 def _system_sandbox(exec_path: Path, config: Path, working_dir: Path, models_dir: Path, gpu: bool) -> list[str]:
     """File-system and kernel sandboxing; needs a system manager (mount namespaces)."""
     home = _touches_home([exec_path, config, working_dir, models_dir])
+    in_tmp = [p for p in (exec_path, config, working_dir, models_dir)
+              if any(_under(q, t) for q in (p, p.resolve()) for t in TMP_DIRS)]
+    if in_tmp:
+        log.warning("%s is under /tmp or /var/tmp, which PrivateTmp=yes hides from the service: "
+                    "move it (e.g. to /opt or /var/lib/homespec) before starting the unit", in_tmp[0])
     out = [
         "# Read-only OS; mmap (and mlock) of read-only model files works under it.",
         "ProtectSystem=strict",
@@ -163,6 +180,9 @@ def _system_sandbox(exec_path: Path, config: Path, working_dir: Path, models_dir
                 "ProtectHome=read-only"]
     else:
         out += ["ProtectHome=yes"]
+    if in_tmp:
+        out += [f"# WARNING: {in_tmp[0]} is under /tmp or /var/tmp; PrivateTmp=yes hides it from the",
+                "# service (status 203/EXEC or a missing config). Move it before starting the unit."]
     out += ["PrivateTmp=yes"]
     if gpu:
         # ProtectClock= is left out too: it implies DeviceAllow=char-rtc, which turns device
@@ -182,6 +202,10 @@ def _system_sandbox(exec_path: Path, config: Path, working_dir: Path, models_dir
         "ProtectKernelLogs=yes",
         "ProtectControlGroups=yes",
         "ProtectHostname=yes",
+        "# Other users' processes are invisible; SysV IPC objects go with the service user.",
+        "ProtectProc=invisible",
+        "RemoveIPC=yes",
+        "PrivateMounts=yes",
     ]
     if not gpu:
         out += ["ProtectClock=yes"]
@@ -205,6 +229,8 @@ def _seccomp_sandbox() -> list[str]:
         "SystemCallArchitectures=native",
         "# @system-service includes mlock and sched_setaffinity; EPERM instead of a kill for the rest.",
         "SystemCallFilter=@system-service",
+        "# Minus the privileged calls (chown, setuid, chroot...) nothing in the daemon makes.",
+        "SystemCallFilter=~@privileged",
         "SystemCallErrorNumber=EPERM",
     ]
 

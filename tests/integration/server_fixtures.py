@@ -32,6 +32,7 @@ from homespec.config import (
 )
 from homespec.serving.app import create_app
 from homespec.serving.daemon import Daemon
+from homespec.serving.http_server import uvicorn_config
 from tests.conftest import DRAFT, ROOT, TARGET, require
 
 API_KEY = "test-key-0123456789"
@@ -78,14 +79,18 @@ def wait_for(check: Callable[[], object], timeout_s: float, what: str, interval_
 class ThreadServer:
     """uvicorn.Server on a pre-bound loopback socket, run in a background thread."""
 
-    def __init__(self, app: object, port: int = 0) -> None:
-        """port 0: any free port; a given port lets a test restart a server where it was."""
+    def __init__(self, app: object, port: int = 0, server: ServerConfig | None = None) -> None:
+        """port 0: any free port; a given port lets a test restart a server where it was.
+        server: run with the uvicorn settings `homespec serve` derives from it (limits, timeouts)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        if server is not None:
+            config = uvicorn_config(app, server, log_level="warning", timeout_graceful_shutdown=5)  # type: ignore[arg-type]
+        else:
+            config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name=f"uvicorn-{self.port}", daemon=True)
 

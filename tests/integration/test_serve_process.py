@@ -168,7 +168,7 @@ def test_sigterm_lets_the_inflight_stream_finish_refuses_new_work_and_exits_0(tm
     assert "draining" in log and "homespec.serve: stopped" in log and "Traceback" not in log, log[-3000:]
 
 
-def test_sigterm_cuts_a_stream_longer_than_the_drain_bound_and_exits_0(tmp_path: Path, start) -> None:
+def test_sigterm_ends_a_stream_longer_than_the_drain_bound_cleanly_and_exits_0(tmp_path: Path, start) -> None:
     drain_s = 3
     d = start(write_config(tmp_path, drain_s))
     d.wait_ready()
@@ -178,15 +178,30 @@ def test_sigterm_cuts_a_stream_longer_than_the_drain_bound_and_exits_0(tmp_path:
             lines = r.iter_lines()
             read_until_content(lines)
             d.proc.send_signal(signal.SIGTERM)
-            try:
-                tail = read_rest(lines)  # ends when the server cuts the stream at the bound
-            except httpx.TransportError:
-                tail = []  # the connection was closed mid-chunk: also a cut
-    assert "[DONE]" not in tail  # 400 tokens take far longer than 3 s on a CPU: it was cut
+            tail = read_rest(lines)  # a transport error here would be the old mid-chunk cut
+    # 400 tokens take far longer than 3 s on a CPU: the stream was cut, and says so, then [DONE].
+    assert tail[-1] == "[DONE]", tail[-3:]
+    assert tail[-2]["error"]["code"] == "shutting_down", tail[-3:]
     assert d.proc.wait(timeout=drain_s + EXIT_MARGIN_S) == 0, d.log()[-3000:]
     log = d.log()
-    # uvicorn cancels the stream at the bound (and logs the CancelledError); the daemon stops.
-    assert "timeout graceful shutdown exceeded" in log and "homespec.serve: stopped" in log, log[-3000:]
+    assert log.count("stream cut at the drain timeout") == 1 and "homespec.serve: stopped" in log, log[-3000:]
+    assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log[-3000:]
+
+
+def test_a_model_that_cannot_load_exits_78_and_the_start_line_names_the_found_config(tmp_path: Path) -> None:
+    config = write_config(tmp_path, 5)
+    raw = yaml.safe_load(config.read_text())
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00garbage" * 100)
+    raw["models"]["target"]["path"] = str(bad)
+    config.write_text(yaml.safe_dump(raw))
+    # No --config: ./config.yaml is found in the working directory.
+    p = subprocess.run(
+        [sys.executable, "-m", "homespec", "serve", "--port", str(free_port())],
+        capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=300,
+    )
+    assert p.returncode == 78, p.stderr[-3000:]  # EX_CONFIG: the unit's RestartPreventExitStatus=
+    assert "(config config.yaml)" in p.stderr, p.stderr[-3000:]
 
 
 def test_non_loopback_bind_without_api_key_is_refused_with_one_line_and_exit_2(tmp_path: Path) -> None:

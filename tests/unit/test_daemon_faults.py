@@ -191,3 +191,39 @@ def test_a_request_cancelled_while_waiting_is_counted_and_logged() -> None:
     rec = d.live.snapshot().requests[0]
     assert (rec.id, rec.status, rec.finish_reason) == (job.id, "cancelled", "cancelled_in_queue")
     assert d.live.snapshot().requests_served == 0
+
+
+def test_http_health_is_503_with_the_reason_after_a_failed_reload_and_ok_again_after_recovery() -> None:
+    import asyncio
+
+    import httpx
+
+    from homespec.serving.app import create_app
+
+    broken = {"now": False}
+
+    def opener(cfg: Config, **kw: Any) -> FakeHost:
+        if broken["now"]:
+            raise ModelError("model.gguf: sha256 does not match the registry")
+        return FakeHost()
+
+    async def get_health() -> httpx.Response:
+        transport = httpx.ASGITransport(app=create_app(d))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            return await client.get("/health")
+
+    d = make_daemon(opener, keep_alive_s=0.01)
+    d.start()
+    try:
+        wait_for(lambda: d.state == "unloaded", "the keep-alive unload")
+        assert asyncio.run(get_health()).status_code == 200
+        broken["now"] = True
+        final(submit(d))
+        r = asyncio.run(get_health())
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        assert r.json()["status"] == "unhealthy" and "sha256" in r.json()["error"]
+        broken["now"] = False
+        final(submit(d))
+        assert asyncio.run(get_health()).status_code == 200
+    finally:
+        d.shutdown(1.0)

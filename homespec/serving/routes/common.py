@@ -4,6 +4,7 @@ responses, and the bridge that carries a job's events from the worker thread to 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -17,8 +18,31 @@ def daemon_of(request: Request) -> Daemon:
     return request.app.state.daemon
 
 
+# A 503 is "try again": say when, so clients and proxies back off instead of hammering.
+RETRY_AFTER_503_S = 5
+
+
 def error_response(e: oa.ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    headers = dict(e.headers or {})
+    if e.status == 503 and not any(k.lower() == "retry-after" for k in headers):
+        headers["Retry-After"] = str(RETRY_AFTER_503_S)
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def shutting_down_error() -> oa.ApiError:
+    return oa.ApiError(503, "the server is shutting down: the answer was cut at server.drain_timeout_s",
+                       type="server_error", code="shutting_down")
+
+
+def drain_deadline_passed(request: Request) -> bool:
+    """SIGTERM's drain bound (app.state.drain_deadline, monotonic) is reached: end answers now,
+    cleanly, before uvicorn cuts the connections mid-chunk."""
+    deadline = getattr(request.app.state, "drain_deadline", None)
+    return deadline is not None and time.monotonic() >= deadline
+
+
+class ClientGone(Exception):
+    """The client hung up while its answer was being generated; nobody is left to answer."""
 
 
 def job_error(ev: JobEvent) -> oa.ApiError:
@@ -33,7 +57,9 @@ def validation_error(e: RequestValidationError) -> oa.ApiError:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    if first.get("type") == "missing":
+    if first.get("type") == "missing" and param is None:
+        msg = "request body is missing or empty: send a JSON object"
+    elif first.get("type") == "missing":
         msg = f"missing required field {param!r}"
     elif param:
         msg = f"{param}: {msg}"
@@ -57,15 +83,19 @@ class Bridge:
             pass
 
     async def next(self, request: Request, job: Job) -> JobEvent:
-        """The next event, cancelling the job if the client disconnects meanwhile. The check
-        runs every CHECK_S whether or not events keep arriving: a fast generation that never
-        lets the queue run dry must notice a hang-up too."""
+        """The next event, cancelling the job if the client disconnects meanwhile (ClientGone)
+        or the drain bound passes (a 503 ApiError). The check runs every CHECK_S whether or not
+        events keep arriving: a fast generation that never lets the queue run dry must notice a
+        hang-up too."""
         while True:
+            if drain_deadline_passed(request):
+                job.cancel()
+                raise shutting_down_error()
             if self.loop.time() - self._checked >= self.CHECK_S:
                 self._checked = self.loop.time()
                 if await request.is_disconnected():
                     job.cancel()
-                    raise asyncio.CancelledError("client disconnected")
+                    raise ClientGone()
             try:
                 return await asyncio.wait_for(self.queue.get(), timeout=self.CHECK_S)
             except asyncio.TimeoutError:

@@ -8,12 +8,15 @@ away cancels its job, which stops at the next step.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 
 from homespec.config import Config, Mode
@@ -21,11 +24,21 @@ from homespec.errors import UserError
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 from homespec.serving.host import GenerationRequest, build_request
-from homespec.serving.routes.common import Bridge, daemon_of, job_error
+from homespec.serving.routes.common import (
+    Bridge,
+    ClientGone,
+    daemon_of,
+    drain_deadline_passed,
+    job_error,
+    shutting_down_error,
+)
 
 Kind = Literal["chat", "completion"]
 
 router = APIRouter()
+log = logging.getLogger("homespec.serving.openai")
+# nginx's "client closed request": logged nowhere but our line; the client is gone anyway.
+CLIENT_GONE_STATUS = 499
 
 
 @router.get("/v1/models")
@@ -102,6 +115,15 @@ async def run(request: Request, body: oa._Common, job: Job, kind: Kind) -> Any:
     except NotReady as e:
         raise oa.ApiError(503, f"not ready: models are {e.state}", type="server_error", code="not_ready",
                           headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+    try:
+        return await _answer(request, body, job, kind, bridge)
+    except ClientGone:
+        log.info("request %s: client disconnected, generation cancelled", job.id)
+        return Response(status_code=CLIENT_GONE_STATUS)
+
+
+async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, bridge: Bridge) -> Any:
+    daemon = daemon_of(request)
     first = await bridge.next(request, job)
     if first.kind == "error":
         raise job_error(first)
@@ -110,7 +132,8 @@ async def run(request: Request, body: oa._Common, job: Job, kind: Kind) -> Any:
     meta = first.extra
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventSourceResponse(_stream(daemon, bridge, job, kind, rid, model, meta, include_usage), sep="\n", ping=15)
+        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage)
+        return EventSourceResponse(events, sep="\n", ping=15)
     text: list[str] = []
     while True:
         ev = await bridge.next(request, job)
@@ -124,7 +147,17 @@ async def run(request: Request, body: oa._Common, job: Job, kind: Kind) -> Any:
             return build(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
 
 
-async def _stream(daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
+async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
+    """The next event, or None once SIGTERM's drain bound has passed."""
+    while not drain_deadline_passed(request):
+        try:
+            return await asyncio.wait_for(bridge.queue.get(), timeout=Bridge.CHECK_S)
+        except asyncio.TimeoutError:
+            continue
+    return None
+
+
+async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
                   include_usage: bool) -> AsyncIterator[dict]:
     created = None
     chunk = (lambda t, f=None: oa.chat_chunk(rid, model, {"content": t} if t else {}, f, created)) if kind == "chat" else (
@@ -133,7 +166,14 @@ async def _stream(daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str
         if kind == "chat":
             yield {"data": json.dumps(oa.chat_chunk(rid, model, {"role": "assistant", "content": ""}))}
         while True:
-            ev = await bridge.queue.get()
+            ev = await _next_or_cut(request, bridge)
+            if ev is None:
+                # End the stream as an error the client can read, then [DONE], rather than let
+                # uvicorn cut the connection mid-chunk at its own bound.
+                job.cancel()
+                log.warning("request %s: stream cut at the drain timeout (server.drain_timeout_s)", job.id)
+                yield {"data": json.dumps(shutting_down_error().body())}
+                break
             if ev.kind == "delta" and ev.text:
                 yield {"data": json.dumps(chunk(ev.text))}
             elif ev.kind == "error":

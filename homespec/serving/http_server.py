@@ -1,0 +1,117 @@
+"""How the daemon's HTTP server meets a hostile or clumsy network: uvicorn's h11 protocol with a
+deadline for reading a request and a cap on connections (a stalled client must not hold a file
+descriptor forever), and a log filter that keeps a flood of identical lines to one per window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import h11
+import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from homespec.config import ServerConfig
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus two limits it lacks (0.54 has no header-read timeout, and
+    limit_concurrency answers 503 only once a request has fully arrived, so stalled half
+    headers still pile up until file descriptors run out):
+
+    - a request (headers and body) must arrive within header_timeout_s of the connection opening
+      or of the previous response; otherwise the connection is closed;
+    - at max_connections, a new connection evicts the one that has waited longest for its
+      request, or is closed itself when every connection is busy with a request.
+    """
+
+    header_timeout_s: float = 10.0
+    max_connections: int = 512
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._opened = time.monotonic()
+        self._read_timer: asyncio.TimerHandle | None = None
+        if len(self.connections) >= self.max_connections and not self._evict_one():
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._opened = time.monotonic()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        if self.transport is not None:  # None: closed in connection_made, never registered
+            super().connection_lost(exc)
+
+    def _waiting(self) -> bool:
+        """The client has not finished sending its request (and nothing is answering it)."""
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and self.conn.our_state is h11.IDLE
+
+    def _arm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer = self.loop.call_later(self.header_timeout_s, self._read_timeout)
+
+    def _read_timeout(self) -> None:
+        self._read_timer = None
+        if self._waiting() and not self.transport.is_closing():
+            self.transport.close()
+
+    def _evict_one(self) -> bool:
+        waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._waiting()
+                   and not c.transport.is_closing()]
+        if not waiting:
+            return False
+        min(waiting, key=lambda c: c._opened).transport.close()
+        return True
+
+
+def uvicorn_config(app: ASGIApp, server: ServerConfig, **kw: Any) -> uvicorn.Config:
+    """The uvicorn settings `homespec serve` runs with (tests start their servers with it too)."""
+    protocol = type("HomespecH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout_s": server.header_timeout_s, "max_connections": server.max_connections})
+    kw.setdefault("timeout_graceful_shutdown", max(1, int(server.drain_timeout_s)))
+    return uvicorn.Config(app, host=server.host, port=server.port, http=protocol, timeout_keep_alive=server.keep_alive_s,
+                          access_log=False, **kw)
+
+
+class RepeatFilter(logging.Filter):
+    """Lets the first of a run of identical log lines through, then one per window_s with a count
+    of those dropped: a flood (e.g. `socket.accept() out of system resource`, logged once per
+    failed accept) must not bury everything else in the journal."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self._seen: dict[tuple[str, int, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, str(record.msg).split("\n", 1)[0])
+        now = time.monotonic()
+        first, dropped = self._seen.get(key, (-self.window_s, 0))
+        if now - first < self.window_s:
+            self._seen[key] = (first, dropped + 1)
+            return False
+        if len(self._seen) > 1000:  # bounded: distinct messages are few; forget old ones
+            self._seen.clear()
+        self._seen[key] = (now, 0)
+        if dropped:
+            record.msg = f"{record.msg} ({dropped} identical lines suppressed in the last {self.window_s:.0f} s)"
+        return True
+
+
+def install_repeat_filter(window_s: float = 10.0) -> RepeatFilter:
+    """Attach one RepeatFilter to the loggers that can flood: asyncio's accept errors, uvicorn's."""
+    f = RepeatFilter(window_s)
+    for name in ("asyncio", "uvicorn", "uvicorn.error", "homespec"):
+        logging.getLogger(name).addFilter(f)
+    return f

@@ -1,0 +1,79 @@
+"""Hardening that needs no server: API key and host-pattern validation at config load, the
+repeated-log-line filter, and what the systemd unit says about fds, exit 78 and /tmp."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from homespec.config import ConfigError, load_config
+from homespec.serving.http_server import RepeatFilter
+from homespec.serving.systemd import render_unit
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "config.yaml"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+@pytest.mark.parametrize("key", ["schlüssel-123", "key with\ttab", " padded ", ""])
+def test_an_api_key_that_cannot_travel_in_a_header_is_refused_at_load_naming_the_field(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, f'server:\n  api_key: "{key}"\n'))
+    msg = str(e.value)
+    assert "server.api_key" in msg and "ASCII" in msg and "\n" not in msg, msg
+
+
+def test_an_ascii_api_key_loads(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "server:\n  api_key: abc-DEF_123.~\n")).server.api_key == "abc-DEF_123.~"
+
+
+@pytest.mark.parametrize("pattern", ["*", "evil*.com", "*example.com", ""])
+def test_bad_allowed_host_patterns_are_refused_naming_the_field(tmp_path: Path, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=r"server\.allowed_hosts"):
+        load_config(write(tmp_path, f'server:\n  allowed_hosts: ["{pattern}"]\n'))
+
+
+def test_repeat_filter_passes_the_first_line_then_counts_the_suppressed_ones() -> None:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("homespec.test_repeat_filter")
+    logger.propagate = False
+    logger.addHandler(Keep())
+    f = RepeatFilter(window_s=3600)
+    logger.addFilter(f)
+    for _ in range(1000):
+        logger.error("socket.accept() out of system resource\nsocket: %s", "<fd 6>")
+    logger.error("something else")
+    assert [r.getMessage().splitlines()[0] for r in records] == ["socket.accept() out of system resource", "something else"]
+    f.window_s = 0  # the window has passed: the next one goes out with the count
+    logger.error("socket.accept() out of system resource\nsocket: %s", "<fd 6>")
+    assert "999 identical lines suppressed" in records[-1].getMessage()
+
+
+def unit(tmp: Path | None = None, user: bool = False) -> str:
+    root = tmp or Path("/opt/homespec")
+    return render_unit(exec_path=root / ".venv/bin/homespec", config=Path("/etc/homespec/config.yaml"),
+                       working_dir=Path("/etc/homespec"), user=user, mlock=False, models_dir=Path("/var/lib/homespec/models"))
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_units_raise_the_fd_limit_and_do_not_restart_on_exit_78(user: bool) -> None:
+    lines = unit(user=user).splitlines()
+    assert "LimitNOFILE=65536" in lines
+    assert "RestartPreventExitStatus=2 78" in lines
+
+
+def test_a_system_unit_for_a_venv_under_tmp_says_private_tmp_hides_it(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="homespec.serving.systemd"):
+        text = unit(Path("/tmp/checkout"))
+    assert "# WARNING: /tmp/checkout/.venv/bin/homespec is under /tmp" in text
+    assert any("PrivateTmp=yes hides" in r.getMessage() for r in caplog.records)
+    assert "WARNING" not in unit()  # /opt: nothing to say
