@@ -142,7 +142,9 @@ class Controller:
         self.total_s = 0.0  # seconds of generation
         self.explore_s = 0.0  # seconds lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
-        self._probing: tuple[str, int] | None = None  # (proposer, k) of a decided probe step
+        # The proposer of a decided probe step. Not its k: the engine may clip k (near max_tokens
+        # or n_ctx), and a clipped probe still measured the proposer.
+        self._probing: str | None = None
         self.sampled = False  # the current request samples (temperature > 0); set by begin()
         self.earned: dict[str, int] = {}  # proposer -> longest accepted run in the current request
         self._shown: dict[str, Evidence] = {}  # proposer -> evidence of its last preview (the view)
@@ -233,7 +235,7 @@ class Controller:
         if probe is not None:
             reason = f"probe {probe.proposer} k={probe.k} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
             best = probe
-            self._probing = (probe.proposer, probe.k)
+            self._probing = probe.proposer
         self._record(best, plain, options, reason)
         if best.proposer == OFF:
             return Decision(None, 0)
@@ -248,7 +250,7 @@ class Controller:
         catchup = step.info.catchup_s
         if catchup:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)
-        probing = self._probing == (step.proposer, step.k)
+        probing = self._probing == step.proposer
         self._probing = None
         self.explore_s *= _BUDGET_DECAY
         self.total_s = self.total_s * _BUDGET_DECAY + step.seconds

@@ -15,6 +15,12 @@ target has not evaluated yet:
 So the target's KV cache always holds ctx[:-1], also between steps and after a cancelled
 generation; proposers resynchronise from ctx themselves. k = 0 is plain decoding through the
 same code (one pass over the last token).
+
+Randomness: an unseeded request verifies with Leviathan's rule (rejection_verify) and one rng. A
+seeded one draws the token at each context index from keys derived from (seed, index) alone
+(seeded_verify), so its output is the same whichever proposer and k the policy picks: auto mode
+is reproducible. The price is acceptance: a draft raced against the same keys is accepted
+1-4 points less often than under Leviathan's rule (measured in verify.py's docstring).
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ from typing import Protocol
 import numpy as np
 
 from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer
-from homespec.speculation.sampling import SamplingParams, choose, make_rng, target_view, window
+from homespec.speculation.sampling import SamplingParams, choose, make_rng, position_keys, target_view, window
 from homespec.speculation.target import Target
 from homespec.speculation.textstream import TextStream
-from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify
+from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify, seeded_verify
 from homespec.tokens import common_prefix
 
 OFF = "off"  # the proposer name of a k = 0 step (plain decoding)
@@ -218,7 +224,7 @@ class Engine:
         for proposer in policy.begin(ctx, not params.greedy):
             proposer.begin(ctx)
         st.prefill_s = time.perf_counter() - t_start
-        first = choose(logits[0], params, window(ctx, params), rng)
+        first = choose(logits[0], params, window(ctx, params), rng, position=len(ctx))
         st.ttft_s = time.perf_counter() - t_start
         text = TextStream(self.target.piece, stop)
         out = _Emitter(self.target, text, max_tokens, st)
@@ -253,6 +259,9 @@ class Engine:
         view = target_view(logits, params, ctx, d)  # argmax [n] or probabilities [n, vocab]
         if params.greedy:
             verdict = greedy_verify(d, view)
+        elif params.seed is not None:  # reproducible for every proposer and k (module docstring)
+            keys = np.stack([position_keys(params.seed, len(ctx) + i, view.shape[1]) for i in range(len(d) + 1)])
+            verdict = seeded_verify(d, view, keys)  # keys: [len(d) + 1, vocab]
         else:
             verdict = rejection_verify(d, view, proposal.q, rng)
         self.target.truncate(len(ctx) + verdict.accepted)

@@ -16,12 +16,19 @@ llama.cpp does: repetition (CTRL-style, divides positive logits), presence (flat
 
 Temperature 0 means greedy: the token is the argmax of the penalised logits; no probabilities
 are formed.
+
+Randomness. Unseeded, a request draws from its own generator (make_rng), in whatever order the
+loop consumes it. Seeded, every draw at context position j is a pure function of (seed, j, p):
+the race of p against that position's keys (position_keys, `draw`), so the token sampled at j
+does not depend on how many draws came before it — which makes a seeded output the same for
+every proposer and k (verify.py, seeded_verify).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -130,18 +137,62 @@ def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
         m *= 8
 
 
-def choose(logits: np.ndarray, params: SamplingParams, recent: Sequence[int], rng: np.random.Generator) -> int:
-    """One token from raw logits [vocab]: the plain-decoding path (and the first token)."""
+def choose(
+    logits: np.ndarray,
+    params: SamplingParams,
+    recent: Sequence[int],
+    rng: np.random.Generator,
+    position: int | None = None,
+) -> int:
+    """One token from raw logits [vocab]: the plain-decoding path (and the first token).
+    position: the token's index in the context (needed by a seeded request, see `draw`)."""
     z = penalize(logits, params, recent)
     if params.greedy:
         return int(np.argmax(z))
-    return sample(probabilities(z, params), rng)
+    return draw(probabilities(z, params), params, rng, position)
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from a distribution p [vocab] (inverse CDF; exact for float64 p)."""
     c = np.cumsum(p)
-    return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.shape[0] - 1))
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    # u * c[-1] can round up to c[-1] (u within 2^-53 of 1): then take the last token with mass,
+    # never a zero-probability tail token that a verifier would have to refuse.
+    return i if i < p.shape[0] else int(np.flatnonzero(p)[-1])
+
+
+def draw(p: np.ndarray, params: SamplingParams, rng: np.random.Generator, position: int | None) -> int:
+    """One token from p [vocab] at context index `position`: seeded, the race against that
+    position's keys (a pure function of seed, position and p); unseeded, from rng."""
+    if params.seed is None:
+        return sample(p, rng)
+    if position is None:
+        raise ValueError("a seeded draw needs the token's position")
+    return race(p, position_keys(params.seed, position, p.shape[0]))
+
+
+def race(p: np.ndarray, keys: np.ndarray) -> int:
+    """The exponential race (Gumbel-max): argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a draw
+    from p, exactly. p, keys: [vocab]. Two distributions raced against the same keys pick the
+    same token with probability >= (1 - TV) / (1 + TV) (Daliri et al. 2024, "Coupling without
+    communication"): a draft that races q against the target's keys is accepted often."""
+    s = np.flatnonzero(p)  # [m] the support: tokens outside it can never win
+    with np.errstate(divide="ignore"):  # E = 0 (probability 2^-53): that token wins, as it should
+        return int(s[np.argmax(p[s] / keys[s])])
+
+
+@lru_cache(maxsize=20)  # a step's positions (draft and target share them): ~24 MiB at 152k vocab
+def position_keys(seed: int, position: int, vocab: int) -> np.ndarray:
+    """The race keys of context index `position` for a seeded request: [vocab] Exp(1), i.i.d.
+    across tokens and positions. Counter-based (Philox keyed by the seed, the position in the
+    counter's second word, so no two positions' streams overlap): any position's keys come
+    without drawing the ones before it. Uniforms (not numpy's ziggurat exponentials) keep the
+    stream the same across numpy versions."""
+    bits = np.random.Philox(key=seed % 2**128, counter=[0, position, 0, 0])
+    u = np.random.Generator(bits).random(vocab)  # [vocab] in [0, 1)
+    keys = -np.log1p(-u)  # [vocab] Exp(1)
+    keys.flags.writeable = False  # shared through the cache
+    return keys
 
 
 def target_view(

@@ -4,7 +4,8 @@ llama.cpp's CPU kernels are not batch-invariant: a position's logits evaluated i
 differ in the last bits from the same position evaluated alone. So "lossless" is tested as:
 (a) every emitted token is the argmax of the target logits that verified it;
 (b) the output equals plain greedy decoding up to the first position where plain decoding's
-    top-2 logit margin is below epsilon, epsilon being that measured batch noise.
+    top-2 logit margin is below 2 epsilon, epsilon being that measured batch noise (over several
+    prompts): noise moves each of the two top logits by up to epsilon.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
             continue
         diverged += 1
         m = plain_margins.get(len(prompt) + j - 1)
-        assert m is not None and m < epsilon, (
-            f"diverged at output token {j} where plain's top-2 margin was {m} >= epsilon {epsilon}"
+        assert m is not None and m < 2 * epsilon, (
+            f"diverged at output token {j} where plain's top-2 margin was {m} >= 2 epsilon ({2 * epsilon})"
         )
         near_ties += 1
     print(f"\n{proposer} k={k}: {diverged}/{len(PROMPTS)} prompts diverged, all at near-ties ({near_ties}); {proposed} tokens proposed")

@@ -45,7 +45,8 @@ def assert_same_or_near_tie(target_rt, prompt, warm_text, epsilon):
     j = first_divergence(cold, warm)
     rows = dict(rec.rows)
     m = margin(rows[len(prompt) + j - 1]) if j else None
-    assert m is not None and m < epsilon, f"warm output diverged at token {j}, cold margin {m}"
+    # 2 epsilon: noise on both top logits can flip a margin up to twice the noise of one logit.
+    assert m is not None and m < 2 * epsilon, f"warm output diverged at token {j}, cold margin {m} >= 2 epsilon ({2 * epsilon})"
 
 
 @pytest.mark.integration

@@ -522,11 +522,13 @@ def test_stats_and_metrics_move_with_speculative_requests(served: Served) -> Non
     assert grew("homespec_requests_total", status="ok") == 2
     assert grew("homespec_generation_tokens_total") == completion
     assert grew("homespec_prompt_tokens_total") == sum(d["usage"]["prompt_tokens"] for d in done)
+    accepted_total = 0
     for proposer in ("ngram", "draft"):
         assert grew("homespec_spec_decode_num_draft_tokens_total", proposer=proposer) > 0
         assert grew("homespec_spec_decode_num_drafts_total", proposer=proposer) > 0
         accepted = grew("homespec_spec_decode_num_accepted_tokens_total", proposer=proposer)
         assert 0 <= accepted <= grew("homespec_spec_decode_num_draft_tokens_total", proposer=proposer)
+        accepted_total += accepted
     assert metric(after_text, "homespec_warm") == 1
     assert metric(after_text, "homespec_model_loaded", role="draft") == 1
 
@@ -536,7 +538,9 @@ def test_stats_and_metrics_move_with_speculative_requests(served: Served) -> Non
     assert all(q.status == "ok" and q.completion_tokens > 0 for q in after.requests[:2])
     spec = after.speculation
     assert spec.acceptance_rate is not None and 0 <= spec.acceptance_rate <= 1
-    assert spec.acceptance_length is not None and spec.acceptance_length >= 1
+    assert spec.acceptance_length is not None
+    if accepted_total:  # these steps are in the window: some emitted more than their bonus token
+        assert spec.acceptance_length > 1
     assert spec.per_position and any(key.startswith("draft:") for key in spec.chosen)
     assert set(spec.modes) >= {"auto", "off", "ngram", "draft"}
     assert after.queue.max_waiting == QUEUE_DEPTH

@@ -29,8 +29,10 @@ def gpu_cost(n: int) -> float:
 class Machine:
     """Plays the steps a controller decides, with Bernoulli acceptance per position."""
 
-    def __init__(self, cost, acceptance: dict[str, float], draft_s: float = 0.02, seed: int = 0, ngram_cont: int = 16):
+    def __init__(self, cost, acceptance: dict[str, float], draft_s: float = 0.02, seed: int = 0, ngram_cont: int = 16,
+                 k_limit: int | None = None):
         self.cost, self.acceptance, self.draft_s = cost, acceptance, draft_s
+        self.k_limit = k_limit  # the engine's clip of k (near max_tokens or n_ctx); None: none
         self.rng = np.random.default_rng(seed)
         self.ngram_cont = ngram_cont
         self.ctx = [0] * 10
@@ -47,17 +49,19 @@ class Machine:
 
     def step(self, c: Controller) -> StepStats:
         d = c.decide(self.ctx)
+        k = d.k if self.k_limit is None else min(d.k, self.k_limit)
+        name = d.name if k else OFF
         outcomes: list[bool] = []
-        for _ in range(d.k):
-            ok = bool(self.rng.random() < self.acceptance.get(d.name, 0.0))
+        for _ in range(k):
+            ok = bool(self.rng.random() < self.acceptance.get(name, 0.0))
             outcomes.append(ok)
             if not ok:
                 break
         n = sum(outcomes)
-        draft_s = self.draft_s * d.k if d.name == "draft" else 0.0
+        draft_s = self.draft_s * k if name == "draft" else 0.0
         # the evidence the proposer offered for this context, as a real proposal carries it
-        info = ProposalInfo(d.proposer.preview(self.ctx, d.k).evidence) if d.proposer else ProposalInfo()
-        s = StepStats(d.name, d.k, d.k, n, draft_s, self.cost(d.k + 1), tuple(outcomes), info)
+        info = ProposalInfo(d.proposer.preview(self.ctx, k).evidence) if d.proposer and k else ProposalInfo()
+        s = StepStats(name, k, k, n, draft_s, self.cost(k + 1), tuple(outcomes), info)
         c.observe(s)
         self.ctx += [1] * (n + 1)
         return s
@@ -267,6 +271,20 @@ def test_probes_of_a_proposer_that_keeps_losing_grow_rarer_up_to_a_bounded_inter
     assert len(gaps) >= 5
     assert gaps[0] < gaps[1] < gaps[2], f"probe gaps did not grow: {gaps}"
     assert max(gaps) == 8 << MAX_BACKOFF, f"the interval should stop doubling: {gaps}"
+
+
+def test_a_probe_whose_k_the_engine_clipped_still_counts_as_a_probe():
+    # The engine cuts k near max_tokens / n_ctx: a probe decided at k = 4 runs at k = 2. It still
+    # measured the proposer, so it counts (view, budget) and a losing one backs off.
+    m = Machine(gpu_cost, {"draft": 0.0}, draft_s=0.001, ngram_cont=0, k_limit=2)
+    c = m.controller(proposers=("draft",), explore_every=8)
+    steps = m.run(c, 1500)
+    drafted = [i for i, s in enumerate(steps) if s.proposer == "draft"]
+    assert all(steps[i].k <= 2 for i in drafted)
+    gaps = [int(g) for g in np.diff(drafted) if g > 1]
+    assert c.view.probes == len(gaps) > 5  # each drafted step after plain ones was a probe (k = 4, cut to 2)
+    assert c.explore_s > 0
+    assert gaps[0] < gaps[1] < gaps[2] and max(gaps) == 8 << MAX_BACKOFF, f"no backoff: {gaps}"
 
 
 def test_a_proposer_that_pays_only_when_every_token_is_accepted_is_never_probed():

@@ -63,9 +63,13 @@ def test_self_speculation_accepts_every_proposed_token():
 
 def test_wrong_draft_still_emits_one_token_per_step():
     eng = make_engine(draft_seed=99)
-    _, _, _, st = run(eng, policy=("draft", 3), max_tokens=30)
-    assert st.steps >= 1 and st.acceptance_length >= 1.0
-    assert st.completion_tokens == 30
+    _, _, events, st = run(eng, policy=("draft", 3), max_tokens=30)
+    steps = [e for e in events if e.step is not None]
+    rejected_at_once = [e for e in steps[:-1] if e.step.accepted == 0]  # the last may be cut by max_tokens
+    assert rejected_at_once, "the wrong draft was never refused outright: nothing tested"
+    assert all(len(e.tokens) == 1 for e in rejected_at_once)  # the target's own token, still
+    assert all(len(e.tokens) == e.step.accepted + 1 for e in steps[:-1])
+    assert st.emitted == st.accepted + st.steps and st.completion_tokens == 30
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.9)])
@@ -107,12 +111,29 @@ def test_stop_string_spanning_steps_is_never_emitted():
         assert events[-1].finish_reason == "stop"
 
 
-def test_eos_ends_generation_without_emitting_its_text():
-    eng = make_engine(eos=5)
-    out, text, events, _ = run(eng, policy=FixedPolicy(), max_tokens=2000)
-    assert events[-1].finish_reason in ("stop", "context")
-    if events[-1].finish_reason == "stop":
-        assert out[-1] == 5 and "[5]" not in text and 5 not in out[:-1]
+class VisibleEos(FakeRuntime):
+    """EOS with a printable piece, so that emitting its text would show in the output."""
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return b"<eos>" if token == self.eos else super().piece(token, special)
+
+
+EOS = 27  # greedy decoding of PROMPT reaches it as the 41st token (found by search)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_eos_ends_generation_without_emitting_its_text(k):
+    target = VisibleEos(eos=EOS)
+    eng = Engine(target)
+    policy = FixedPolicy(DraftProposer(VisibleEos(eos=EOS), target.n_vocab), k)  # k = 4: EOS mid-step
+    st = GenerationStats()
+    events = list(eng.generate(PROMPT, policy=policy, stats=st, max_tokens=200))
+    out = [t for e in events for t in e.tokens]
+    text = "".join(e.text for e in events)
+    assert events[-1].finish_reason == st.finish_reason == "stop"
+    assert out[-1] == EOS and EOS not in out[:-1] and len(out) == 41 == st.completion_tokens
+    assert text == "".join(target.piece(t).decode() for t in out[:-1])  # no "<eos>", nothing after
+    assert target.tokens == PROMPT + out[:-1]  # the cache holds neither EOS nor drafted tokens past it
 
 
 def test_full_context_stops_with_a_reason_not_an_exception():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.speculation.sampling import SamplingParams, choose, penalize, probabilities, sample, target_view
+from homespec.speculation.sampling import SamplingParams, choose, penalize, probabilities, sample, target_view, window
 
 
 def test_temperature_zero_is_argmax_point_mass():
@@ -74,9 +74,16 @@ def test_presence_and_frequency_penalties_follow_openai_definition():
 
 
 def test_penalties_only_see_the_last_n_tokens():
-    z = np.zeros(3, dtype=np.float32)
-    params = SamplingParams(presence_penalty=1.0, penalty_last_n=2)
-    assert choose(z, params, [0, 0, 1, 2], np.random.default_rng(0)) == 0  # 0 is outside the window
+    z = np.array([1.0, 0.0, 0.0, 0.0], dtype=np.float32)  # token 0 wins unless it is penalised
+    params = SamplingParams(presence_penalty=2.0, penalty_last_n=2)
+    ctx = [0, 0, 1, 2]  # 0 only before the window
+    rng = np.random.default_rng(0)
+    assert list(window(ctx, params)) == [1, 2]
+    assert choose(z, params, window(ctx, params), rng) == 0  # plain decoding: 0 not penalised
+    assert choose(z, params, ctx, rng) != 0  # the control: seen, it loses
+    # the verifier's rows: the window slides over the drafted tokens too
+    view = target_view(np.stack([z, z]), params, context=ctx, continuation=[0])
+    assert view[0] == 0 and view[1] != 0  # row 1's window is [2, 0]
 
 
 def test_target_view_applies_penalties_with_proposed_tokens_in_history():

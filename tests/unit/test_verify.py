@@ -47,6 +47,18 @@ def test_rejection_verify_rejects_token_the_target_gives_zero_probability():
     assert (v.accepted, v.tokens, v.outcomes) == (0, [2], [False])
 
 
+@pytest.mark.parametrize("bad", [0, 1])
+def test_rejection_verify_refuses_a_drafted_token_its_proposer_gave_zero_probability(bad):
+    """q(x) = 0: x was not drawn from q (a proposer bug); any verdict would bias the output."""
+    p = np.full((3, 4), 0.25)
+    q = np.array([[0.5, 0.5, 0, 0], [0.5, 0.5, 0, 0]])
+    proposed = [0, 1]
+    proposed[bad] = 2  # q has no mass on 2
+    with pytest.raises(ValueError, match=f"position {bad}"):
+        for seed in range(20):  # whatever the draws (an accepted first token reaches position 1)
+            rejection_verify(proposed, p, q, np.random.default_rng(seed))
+
+
 def test_rejection_verify_middle_rejection_draws_recovered_token_from_residual():
     rng = np.random.default_rng(1)
     p = np.array([[0, 1, 0, 0], [0.5, 0, 0.5, 0], [0.25] * 4])

@@ -8,7 +8,9 @@ first guess — no pass is spent twice. Rejected guesses are truncated away on t
 Under sampling each guess is drawn from q = sampling.probabilities(draft logits) with the
 request's own SamplingParams, so that q and the target's p come from the same transform, as
 exact rejection sampling requires. Under greedy decoding the guess is the draft's argmax and q
-is a point mass (Proposal.q is None).
+is a point mass (Proposal.q is None). A seeded request draws each guess by racing q against the
+keys of its context index (sampling.draw): the keys the target's own draw there uses, so the
+guess matches the target's token as often as the two distributions allow (verify.seeded_verify).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from homespec.speculation.proposers.base import Preview, Proposal, ProposalInfo, ProposerCost
-from homespec.speculation.sampling import SamplingParams, penalize, probabilities, sample, window
+from homespec.speculation.sampling import SamplingParams, draw, penalize, probabilities, window
 from homespec.speculation.target import Target
 from homespec.tokens import common_prefix
 
@@ -68,7 +70,7 @@ class DraftProposer:
                 tok = int(np.argmax(z))
             else:
                 q = probabilities(z, params)
-                tok = sample(q, rng)
+                tok = draw(q, params, rng, len(context) + i)
                 qs.append(q)
             tokens.append(tok)
             if i + 1 < k:

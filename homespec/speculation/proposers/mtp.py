@@ -32,7 +32,7 @@ from typing import Protocol
 import numpy as np
 
 from homespec.speculation.proposers.base import Preview, Proposal, ProposalInfo, ProposerCost
-from homespec.speculation.sampling import SamplingParams, penalize, probabilities, sample, window
+from homespec.speculation.sampling import SamplingParams, draw, penalize, probabilities, window
 from homespec.speculation.target import HiddenStates
 from homespec.tokens import common_prefix
 
@@ -129,7 +129,7 @@ class MTPProposer:
         qs: list[np.ndarray] = []  # each [n_vocab]
         recent = list(window(context, params))
         for i in range(k):
-            tok, q = self._choose(logits, params, window(recent + tokens, params), rng)
+            tok, q = self._choose(logits, params, window(recent + tokens, params), rng, m + i)
             tokens.append(tok)
             if q is not None:
                 qs.append(q)
@@ -156,9 +156,10 @@ class MTPProposer:
         return ProposerCost(statistics.median(times[1:]) / CALIBRATION_K, first.draft_s / built, built)
 
     def _choose(
-        self, z: np.ndarray, params: SamplingParams, recent: Sequence[int], rng: np.random.Generator
+        self, z: np.ndarray, params: SamplingParams, recent: Sequence[int], rng: np.random.Generator, position: int
     ) -> tuple[int, np.ndarray | None]:
-        """Head logits over V' [V'] -> (token id, q over the full vocabulary or None)."""
+        """Head logits over V' [V'] -> (token id, q over the full vocabulary or None); position:
+        the token's context index (a seeded request races q against its keys, sampling.draw)."""
         if params.greedy and not params.has_penalties:
             i = int(np.argmax(z))  # the common case stays in V' (16k rows, not 152k)
             return int(self.vocab_ids[i]), None
@@ -168,7 +169,7 @@ class MTPProposer:
         if params.greedy:
             return int(np.argmax(full)), None
         q = probabilities(full, params)  # zero outside V': never proposed, exactness kept
-        return sample(q, rng), q
+        return draw(q, params, rng, position), q
 
     def close(self) -> None:
         self.runner = None

@@ -1,0 +1,117 @@
+"""Exactness through the whole loop at temperature > 0: with a draft model, penalties and top-k /
+top-p, the first generated tokens are distributed as plain sampling of the target makes them.
+
+The reference is exact, not sampled: the joint probability of every possible 4-token start,
+computed from the scripted target logits through the plain-decoding transform (penalties over
+the window, then temperature, top-k, top-p). Each arm generates from many draws and a chi-square
+goodness-of-fit test compares. The first step after the prefill token verifies 3 drafted tokens,
+so rows with drafted tokens in their penalty history, rejections, residual draws and the bonus
+all feed the sample.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from homespec.speculation import engine as engine_mod
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.sampling import SamplingParams, penalize, probabilities, window
+
+from .fakes import FakeRuntime
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1, 5]
+N_TOKENS = 4  # the first token (prefill) + 3 from the first speculative step at k = 3
+DRAWS = 2000  # enough to catch a q that is not the one drawn from (p ~ 1e-5 at k = 1, 1e-16 at k = 3)
+# Strong penalties over a short window, so that a row scored with the wrong history (the
+# drafted tokens missing from it, or the window cut in the wrong place) moves probabilities a lot.
+PARAMS = dict(
+    temperature=1.0, top_k=4, top_p=0.9, repetition_penalty=1.5, presence_penalty=0.6,
+    frequency_penalty=0.4, penalty_last_n=3,
+)
+
+
+def target() -> FakeRuntime:
+    return FakeRuntime(vocab=VOCAB, seed=0, sharpness=1.0)
+
+
+def draft() -> DraftProposer:
+    # Same scripted logits, sharper: close to the target but not equal, so drafts are both
+    # accepted and rejected (~80 % acceptance).
+    return DraftProposer(FakeRuntime(vocab=VOCAB, seed=0, sharpness=1.6), VOCAB)
+
+
+def exact_starts(params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(first N_TOKENS tokens = s) for every s with mass, by plain decoding's transform."""
+    ref = target()
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(N_TOKENS):
+        nxt: dict[tuple[int, ...], float] = {}
+        for s, ps in out.items():
+            ctx = PROMPT + list(s)
+            p = probabilities(penalize(ref.logits_after(ctx), params, window(ctx, params)), params)  # [vocab]
+            for t in np.flatnonzero(p):
+                nxt[(*s, int(t))] = ps * float(p[t])
+        out = nxt
+    return out
+
+
+def generate_starts(k: int, seeded: bool, draws: int = DRAWS) -> tuple[list[tuple[int, ...]], float]:
+    """The first N_TOKENS tokens of `draws` generations; and the acceptance rate."""
+    eng, d = Engine(target()), draft()
+    starts, accepted, proposed = [], 0, 0
+    for i in range(draws):
+        params = SamplingParams(**PARAMS, seed=i if seeded else None)
+        policy = FixedPolicy(d, k) if k else FixedPolicy()
+        st = GenerationStats()
+        toks = [t for ev in eng.generate(PROMPT, params, max_tokens=N_TOKENS + 1, policy=policy, stats=st) for t in ev.tokens]
+        starts.append(tuple(toks[:N_TOKENS]))
+        accepted, proposed = accepted + st.accepted, proposed + st.proposed
+    return starts, accepted / proposed if proposed else 0.0
+
+
+def fit_pvalue(starts: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> float:
+    """Chi-square goodness of fit; cells expecting < 5 draws are pooled into one."""
+    assert set(starts) <= set(exact), "a start the target cannot produce"
+    n = len(starts)
+    counts = {s: 0 for s in exact}
+    for s in starts:
+        counts[s] += 1
+    big = [s for s in exact if exact[s] * n >= 5]
+    small = [s for s in exact if exact[s] * n < 5]
+    obs = [counts[s] for s in big] + ([sum(counts[s] for s in small)] if small else [])
+    exp = np.asarray([exact[s] for s in big] + ([sum(exact[s] for s in small)] if small else []))
+    return float(chisquare(obs, exp * n / exp.sum()).pvalue)  # rescaled: float sums must agree
+
+
+@pytest.fixture
+def fixed_rng(monkeypatch):
+    """Unseeded requests draw fresh entropy; pin it so the test is deterministic."""
+    rng = np.random.default_rng(20240611)
+    monkeypatch.setattr(engine_mod, "make_rng", lambda seed: rng)
+
+
+@pytest.mark.parametrize("k", [0, 3])  # k = 0: plain decoding, the control
+def test_unseeded_draft_with_penalties_and_truncation_samples_the_targets_distribution(k, fixed_rng):
+    starts, acceptance = generate_starts(k, seeded=False)
+    assert k == 0 or 0.3 < acceptance < 0.98  # both accepts and rejections were exercised
+    p = fit_pvalue(starts, exact_starts(SamplingParams(**PARAMS)))
+    assert p > 1e-3, f"k={k}: first {N_TOKENS} tokens not distributed as the target's (chi-square p = {p:.2g})"
+
+
+def test_seeded_draft_with_penalties_and_truncation_samples_the_targets_distribution():
+    """Over many seeds, the seeded path (keys per position, draft raced against them) is exact."""
+    starts, acceptance = generate_starts(3, seeded=True)
+    assert 0.3 < acceptance < 0.98
+    p = fit_pvalue(starts, exact_starts(SamplingParams(**PARAMS)))
+    assert p > 1e-3, f"seeded: first {N_TOKENS} tokens not distributed as the target's (chi-square p = {p:.2g})"
+
+
+def test_the_exact_reference_is_a_distribution_over_starts():
+    exact = exact_starts(SamplingParams(**PARAMS))
+    assert sum(exact.values()) == pytest.approx(1.0)
+    # top-k 4 bounds the starts; enough of them that the chi-square test has cells to compare
+    assert 20 < len(exact) <= 4**N_TOKENS
