@@ -207,7 +207,9 @@ class ServerConfig(_Strict):
 
 class MemoryConfig(_Strict):
     # 1 GiB left to the rest of the home server (Home Assistant, a NAS, a browser over SSH).
-    reserve_mib: int = Field(1024, ge=0, description="RAM kept free for other services")
+    # At most 1 TiB: larger is a typo (GiB written as MiB x 1024), and the plan also refuses a
+    # reserve that is not below the machine's RAM, naming this setting.
+    reserve_mib: int = Field(1024, ge=0, le=1_048_576, description="RAM kept free for other services")
     vram_reserve_mib: int = Field(512, ge=0, description="VRAM kept free (desktop, other apps)")
     # drop-draft: serving without speculation beats not serving.
     policy: Literal["refuse", "drop-draft", "shrink-context"] = "drop-draft"

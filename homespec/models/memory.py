@@ -398,9 +398,10 @@ def _what(load_draft: bool, n_ctx: int, has_draft: bool) -> str:
 
 
 def _numbers(c: _Check, h: Headroom, cfg: MemoryConfig) -> str:
+    # Never a negative "available": a reserve above what is free leaves nothing.
     s = (
-        f"need {fmt_bytes(c.ram_need)} RAM, {fmt_bytes(h.ram_available - cfg.reserve_mib * MiB)} available "
-        f"after the {fmt_bytes(cfg.reserve_mib * MiB)} reserve"
+        f"need {fmt_bytes(c.ram_need)} RAM, {fmt_bytes(max(0, h.ram_available - cfg.reserve_mib * MiB))} available "
+        f"after the {fmt_bytes(cfg.reserve_mib * MiB)} reserve (memory.reserve_mib)"
     )
     if c.vram_as_ram:
         s += " (VRAM unreadable: offloaded part counted as RAM)"
@@ -413,7 +414,11 @@ def _numbers(c: _Check, h: Headroom, cfg: MemoryConfig) -> str:
     return s
 
 
-def _advice(c: _Check, cfg: MemoryConfig, has_draft: bool) -> str:
+def _advice(c: _Check, h: Headroom, cfg: MemoryConfig, has_draft: bool) -> str:
+    if cfg.reserve_mib * MiB >= h.ram_total:
+        return f"lower memory.reserve_mib: it must stay below this machine's {fmt_bytes(h.ram_total)} of RAM"
+    if cfg.reserve_mib * MiB > h.ram_available:
+        return f"free memory or lower memory.reserve_mib: its {fmt_bytes(cfg.reserve_mib * MiB)} exceed the {fmt_bytes(h.ram_available)} available"
     if not c.vram_ok:
         return "lower models.target.n_gpu_layers or models.draft.n_gpu_layers, or free GPU memory"
     # n_batch sizes the compute buffer (n_batch x vocab logits: 297 MiB per Qwen2.5 model at 512),
@@ -454,7 +459,7 @@ def plan_load(footprints: FootprintsAt, headroom: Headroom, cfg: MemoryConfig, *
     if not (c.ram_ok and c.vram_ok):
         msg = (
             f"not enough memory for {_what(load_draft, n, has_draft)}: {_numbers(c, headroom, cfg)}; "
-            f"{_advice(c, cfg, has_draft)}"
+            f"{_advice(c, headroom, cfg, has_draft)}"
         )
         log.error("%s", msg)
         return LoadPlan("refuse", False, n, c.ram_need, headroom.ram_available, c.vram_need, headroom.vram_free, msg)

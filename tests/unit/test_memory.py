@@ -316,7 +316,7 @@ def test_refuse_policy_refuses_when_pair_does_not_fit_with_an_actionable_line():
     assert isinstance(e.value, UserError)
     assert str(e.value) == (
         "not enough memory for target + draft at n_ctx 4096: need 2.5 GiB RAM, 2.3 GiB available after the "
-        "1.0 GiB reserve; free memory, lower runtime.n_ctx or runtime.n_batch, or set memory.policy: drop-draft"
+        "1.0 GiB reserve (memory.reserve_mib); free memory, lower runtime.n_ctx or runtime.n_batch, or set memory.policy: drop-draft"
     )
 
 
@@ -523,3 +523,19 @@ def test_watcher_thread_polls_at_the_interval_and_stops():
     seen = count
     time.sleep(0.05)
     assert count == seen and w.last == ram(8)
+
+
+def test_a_reserve_larger_than_the_machine_names_memory_reserve_mib_and_never_a_negative_amount():
+    plan = plan_load(pair(1536, 512), ram(3.0), cfg(reserve_mib=100 * 1024), n_ctx=4096)  # 100 GiB of 32
+    assert plan.decision == "refuse"
+    assert "lower memory.reserve_mib: it must stay below this machine's 32.0 GiB of RAM" in plan.message
+    assert "-" not in plan.message.split("need", 1)[1].split("reserve")[0]  # "0 B available", not "-97 GiB"
+    busy = plan_load(pair(1536, 512), ram(3.0), cfg(reserve_mib=4 * 1024), n_ctx=4096)  # more than is free now
+    assert "free memory or lower memory.reserve_mib: its 4.0 GiB exceed the 3.0 GiB available" in busy.message
+
+
+def test_memory_reserve_mib_is_bounded_in_the_config():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        MemoryConfig(reserve_mib=2_000_000)
