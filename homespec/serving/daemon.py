@@ -160,7 +160,8 @@ class Daemon:
         """For the systemd watchdog: the worker lives and makes progress. A prefill chunk of 512
         tokens takes ~13 s on 2 cores, a load plus warm-up ~30 s; no step for stall_s means hung.
         A failed load (at start or a reload after keep_alive) is unhealthy until a load succeeds."""
-        if self.state == "failed" or not self._worker.is_alive():
+        dead = self._worker.ident is not None and not self._worker.is_alive()  # started, then died
+        if self.state == "failed" or dead:
             return False
         return time.monotonic() - self._progress < stall_s
 

@@ -74,6 +74,27 @@ def test_stalled_half_headers_are_closed_and_health_still_answers(guarded: Threa
             s.close()
 
 
+def test_at_the_cap_stallers_are_evicted_before_a_keep_alive_client_that_was_answered() -> None:
+    srv = serve(header_timeout_s=30, max_connections=20)  # the read deadline plays no part here
+    request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    socks: list[socket.socket] = []
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=CLOSE_WAIT_S) as client:
+            client.sendall(request)
+            assert client.recv(4096).startswith(b"HTTP/1.1 200")  # answered; now idle, kept alive
+            for _ in range(60):  # three times the cap: every new staller evicts a waiting connection
+                s = socket.create_connection(("127.0.0.1", srv.port), timeout=CLOSE_WAIT_S)
+                s.sendall(HALF_HEADER)
+                socks.append(s)
+            assert sum(closed_by_server(s) for s in socks[:40]) == 40  # the oldest stallers went
+            client.sendall(request)  # the answered client's connection survived the flood
+            assert client.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
+
+
 def test_a_complete_request_sent_slowly_within_the_timeout_is_answered(guarded: ThreadServer) -> None:
     with socket.create_connection(("127.0.0.1", guarded.port), timeout=30) as s:
         s.sendall(HALF_HEADER)

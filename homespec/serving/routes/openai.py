@@ -49,20 +49,20 @@ async def models(request: Request) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request, body: oa.ChatRequest) -> Any:
-    daemon = daemon_of(request)
-    check_model(daemon.cfg, body.model)
-    job = Job(to_request(daemon, body, body.limit()), sink=lambda ev: None, messages=body.chat_messages(),
-              timeout_s=daemon.cfg.server.request_timeout_s)
-    return await run(request, body, job, "chat")
+    return await _complete(request, body, "chat", messages=body.chat_messages())
 
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: oa.CompletionRequest) -> Any:
+    return await _complete(request, body, "completion", prompt=body.text())
+
+
+async def _complete(request: Request, body: oa._Common, kind: Kind, **source: Any) -> Any:
+    """source: messages= (chat, through the template) or prompt= (raw text)."""
     daemon = daemon_of(request)
     check_model(daemon.cfg, body.model)
-    job = Job(to_request(daemon, body, body.limit()), sink=lambda ev: None, prompt=body.text(),
-              timeout_s=daemon.cfg.server.request_timeout_s)
-    return await run(request, body, job, "completion")
+    job = Job(to_request(daemon, body, body.limit()), sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s, **source)
+    return await run(request, body, job, kind)
 
 
 def model_id(cfg: Config) -> str:
