@@ -26,6 +26,7 @@ from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
 from homespec.models.fetch import resolve_model_path
+from homespec.models.loader import ModelSet
 from homespec.models.memory import LoadPlan, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
 from homespec.mtp.checkpoint import head_ram
@@ -66,8 +67,9 @@ class JobEvent:
 class Job:
     request: GenerationRequest
     sink: Callable[[JobEvent], None]  # called from the worker thread
-    messages: list[dict[str, Any]] | None = None  # chat
-    prompt: str | None = None  # completion
+    # The prompt, built on the worker thread from the models loaded then (they may be
+    # unloaded while the job waits): chat through the template, raw text, infill pieces.
+    encode: Callable[[ModelSet], list[int]]
     timeout_s: float = 600.0
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     created: float = field(default_factory=time.time)
@@ -346,7 +348,7 @@ class Daemon:
         assert session is not None
         models = session.models
         try:
-            tokens = models.encode_chat(job.messages) if job.messages is not None else models.encode_text(job.prompt or "")
+            tokens = job.encode(models)
             req = job.request
             if req.mode == Mode.AUTO and self.mode != Mode.AUTO:
                 req = dataclasses.replace(req, mode=self.mode)

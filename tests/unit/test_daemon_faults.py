@@ -68,7 +68,7 @@ def wait_for(cond: Callable[[], bool], what: str) -> None:
 
 def submit(d: Daemon) -> queue.Queue[JobEvent]:
     events: queue.Queue[JobEvent] = queue.Queue()
-    d.submit(Job(GenerationRequest(), sink=events.put, messages=[{"role": "user", "content": "hi"}]))
+    d.submit(Job(GenerationRequest(), sink=events.put, encode=lambda models: models.encode_chat([{"role": "user", "content": "hi"}])))
     return events
 
 
@@ -183,7 +183,7 @@ def test_a_request_cancelled_while_waiting_is_counted_and_logged() -> None:
     d = make_daemon(lambda c, **kw: FakeHost())
     d.session, d.state = FakeHost(), "ready"  # type: ignore[assignment]
     events: list[JobEvent] = []
-    job = Job(GenerationRequest(), sink=events.append, messages=[{"role": "user", "content": "hi"}])
+    job = Job(GenerationRequest(), sink=events.append, encode=lambda models: models.encode_chat([{"role": "user", "content": "hi"}]))
     job.cancel()  # the client hung up before its turn
     d._run(job)
     assert events == []  # nobody is listening any more

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -21,6 +21,7 @@ from sse_starlette import EventSourceResponse
 
 from homespec.config import Config, Mode
 from homespec.errors import UserError
+from homespec.models.loader import ModelSet
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 from homespec.serving.host import GenerationRequest, build_request
@@ -49,19 +50,21 @@ async def models(request: Request) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request, body: oa.ChatRequest) -> Any:
-    return await _complete(request, body, "chat", messages=body.chat_messages())
+    messages = body.chat_messages()
+    return await _complete(request, body, "chat", lambda models: models.encode_chat(messages))
 
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: oa.CompletionRequest) -> Any:
-    return await _complete(request, body, "completion", prompt=body.text())
+    text = body.text()
+    return await _complete(request, body, "completion", lambda models: models.encode_text(text))
 
 
-async def _complete(request: Request, body: oa._Common, kind: Kind, **source: Any) -> Any:
-    """source: messages= (chat, through the template) or prompt= (raw text)."""
+async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Callable[[ModelSet], list[int]]) -> Any:
+    """encode: the prompt's tokens from the loaded models (run on the worker thread)."""
     daemon = daemon_of(request)
     check_model(daemon.cfg, body.model)
-    job = Job(to_request(daemon, body, body.limit()), sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s, **source)
+    job = Job(to_request(daemon, body, body.limit()), sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s, encode=encode)
     return await run(request, body, job, kind)
 
 
