@@ -254,7 +254,8 @@ class Controller:
         self._probing = None
         self.explore_s *= _BUDGET_DECAY
         self.total_s = self.total_s * _BUDGET_DECAY + step.seconds
-        if step.proposer != OFF and step.proposed:
+        # Steps of no registered proposer (plain, or a grammar's forced tokens) teach no acceptance.
+        if step.proposer in self.proposers and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)

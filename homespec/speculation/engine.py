@@ -32,6 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
+from homespec.speculation.constraints import Grammar, apply_masks
 from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer
 from homespec.speculation.sampling import SamplingParams, choose, make_rng, position_keys, target_view, window
 from homespec.speculation.target import Target
@@ -40,6 +41,7 @@ from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify
 from homespec.tokens import common_prefix
 
 OFF = "off"  # the proposer name of a k = 0 step (plain decoding)
+FORCED = "grammar"  # the proposer name of a jump-forward step: the grammar's only continuation
 
 
 @dataclass(frozen=True)
@@ -193,8 +195,10 @@ class Engine:
         stop: Sequence[str] = (),
         policy: SpeculationPolicy | None = None,
         stats: GenerationStats | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[Event]:
         """Yield events until EOS, a stop string, max_tokens or a full context.
+        grammar: constrains every token (constraints.py); None: unconstrained.
 
         The generator may be closed at any event (a client went away): the caches stay
         consistent and the next generation reuses them.
@@ -205,7 +209,7 @@ class Engine:
             raise PromptTooLong(len(prompt), self.target.n_ctx)
         policy = policy or FixedPolicy()
         st = stats if stats is not None else GenerationStats()
-        return self._run(list(prompt), params, max_tokens, stop, policy, st)
+        return self._run(list(prompt), params, max_tokens, stop, policy, st, grammar)
 
     def _run(
         self,
@@ -215,6 +219,7 @@ class Engine:
         stop: Sequence[str],
         policy: SpeculationPolicy,
         st: GenerationStats,
+        grammar: Grammar | None,
     ) -> Iterator[Event]:
         t_start = time.perf_counter()
         rng = make_rng(params.seed)
@@ -224,12 +229,16 @@ class Engine:
         for proposer in policy.begin(ctx, not params.greedy):
             proposer.begin(ctx)
         st.prefill_s = time.perf_counter() - t_start
+        if grammar is not None:
+            logits = apply_masks(logits, grammar.masks([]))
         first = choose(logits[0], params, window(ctx, params), rng, position=len(ctx))
         st.ttft_s = time.perf_counter() - t_start
         text = TextStream(self.target.piece, stop)
         out = _Emitter(self.target, text, max_tokens, st)
 
         event = out.emit(ctx, [first], None)
+        if grammar is not None:
+            grammar.commit(event.tokens)
         while True:
             if event.finish_reason is None and len(ctx) >= self.target.n_ctx:
                 event.finish_reason = st.finish_reason = "context"
@@ -239,23 +248,46 @@ class Engine:
                 yield event
                 return
             yield event
-            decision = policy.decide(ctx)
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx
-            k = max(0, min(decision.k, room, max_tokens - st.completion_tokens - 1))
-            verdict, step = self._step(ctx, decision.proposer if k else None, k, params, rng)
+            budget = max(0, min(room, max_tokens - st.completion_tokens - 1))
+            forced = grammar.forced(budget) if grammar is not None else []
+            if forced:  # free drafts; the policy's proposers sit this step out
+                verdict, step = self._step(ctx, None, len(forced), params, rng, grammar, forced)
+            else:
+                decision = policy.decide(ctx)
+                k = min(decision.k, budget)
+                verdict, step = self._step(ctx, decision.proposer if k else None, k, params, rng, grammar)
             policy.observe(step)
             st.add(step)
             event = out.emit(ctx, verdict.tokens, step)
+            if grammar is not None:
+                grammar.commit(event.tokens)
 
     def _step(
-        self, ctx: list[int], proposer: Proposer | None, k: int, params: SamplingParams, rng: np.random.Generator
+        self,
+        ctx: list[int],
+        proposer: Proposer | None,
+        k: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        grammar: Grammar | None = None,
+        forced: Sequence[int] = (),
     ) -> tuple[Verdict, StepStats]:
-        """One speculative step over ctx (not modified here); k = 0 or no proposer: plain."""
-        proposal = proposer.propose(ctx, k, params, rng) if proposer is not None else Proposal([])
-        name = proposer.name if proposer is not None else OFF
+        """One speculative step over ctx (not modified here); k = 0 or no proposer: plain.
+        forced: the grammar's jump-forward tokens, verified in place of a proposal."""
+        if forced:
+            proposal, name = Proposal(list(forced)), FORCED
+        else:
+            proposal = proposer.propose(ctx, k, params, rng) if proposer is not None else Proposal([])
+            name = proposer.name if proposer is not None else OFF
         d = proposal.tokens[:k]
+        if grammar is not None:
+            # Only an unseeded sampled draft with a real q must keep its first invalid token.
+            d = grammar.cut(d, keep_first_invalid=not params.greedy and params.seed is None and proposal.q is not None)
         t0 = time.perf_counter()
         logits = self.target.eval([ctx[-1], *d], output="all")  # [len(d) + 1, vocab]
+        if grammar is not None:
+            logits = apply_masks(logits, grammar.masks(d))
         view = target_view(logits, params, ctx, d)  # argmax [n] or probabilities [n, vocab]
         if params.greedy:
             verdict = greedy_verify(d, view)

@@ -119,3 +119,34 @@ class ScriptedModel:
 
     def close(self) -> None:
         pass
+
+
+class FakeGrammarTokenizer:
+    """FakeRuntime's vocabulary as llguidance wants a tokenizer (TokenizerWrapper's duck type):
+    each token's bytes, greedy longest-match tokenization, and an end-of-generation token. A
+    runtime without one gets an extra EOS id past its vocabulary, which its logits never reach."""
+
+    def __init__(self, rt: FakeRuntime) -> None:
+        self.tokens = [rt.piece(t) for t in range(rt.n_vocab)]
+        if rt.eos is None:
+            self.tokens.append(b"<eos>")
+            self.eos_token_id = rt.n_vocab
+        else:
+            self.tokens[rt.eos] = b"<eos>"
+            self.eos_token_id = rt.eos
+        self.special_token_ids = [self.eos_token_id]
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            best = max((t for t, b in enumerate(self.tokens) if b and text.startswith(b, i)), key=lambda t: len(self.tokens[t]))
+            ids.append(best)
+            i += len(self.tokens[best])
+        return ids
+
+
+def grammar_tokenizer(rt: FakeRuntime):
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(FakeGrammarTokenizer(rt)))
