@@ -53,21 +53,24 @@ class ChatTemplate:
         self._template = env.from_string(self.source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """tools: OpenAI-style function definitions, for templates with a tools section."""
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                tools=None,
+                tools=[dict(t) for t in tools] if tools else None,
             )
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from None
 
-    def render_parts(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[Part]:
+    def render_parts(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[Part]:
         """The rendered prompt as (text, trusted) parts; joined, they equal `render(...)`.
 
         Renders once as usual and once with each message's content replaced by an unguessable
@@ -76,7 +79,7 @@ class ChatTemplate:
         `| trim` content are common). A template whose text depends on the content some other
         way falls back to the placeholder render with the content spliced in unchanged (logged).
         """
-        plain = self.render(messages, add_generation_prompt)
+        plain = self.render(messages, add_generation_prompt, tools)
         nonce = secrets.token_hex(8)
         contents: list[str] = []
         masked = []
@@ -89,7 +92,7 @@ class ChatTemplate:
             masked.append(m)
         if not contents:
             return [(plain, True)]
-        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(masked, add_generation_prompt))
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", self.render(masked, add_generation_prompt, tools))
         literals, order = pieces[0::2], [int(i) for i in pieces[1::2]]  # order: content index per slot
         if any("\ue000" in lit or "\ue001" in lit for lit in literals):
             # The template cut a placeholder (slices content): there is no telling content from

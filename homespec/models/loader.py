@@ -46,10 +46,11 @@ class ModelSet:
     def draft_name(self) -> str | None:
         return self.draft_path.stem if self.draft_path else None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """tools: function definitions for the template's tools section (None: no tools)."""
         # Only the template's own text may hold special tokens: "<|im_end|>" inside a message is
         # text, or a message could close its turn and forge another (a system turn, say).
-        parts = self.template.render_parts(messages)
+        parts = self.template.render_parts(messages, tools=tools)
         bos = self.template.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer.
         add_special = not (bos and "".join(t for t, _ in parts).startswith(bos))

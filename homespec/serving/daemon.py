@@ -97,6 +97,9 @@ class Daemon:
         self.footprints: tuple[Any, Any] = (None, None)  # (target, draft) memory.Footprint at the planned n_ctx
         self.load_s: float | None = None
         self.warmup_s: float | None = None
+        # The target's chat template, kept from the last load (the model may be unloaded after
+        # keep_alive): requests with tools need its call format before they queue.
+        self.template_source: str | None = None
         self.cold_loads = 0
         self.memory_events: collections.deque[str] = collections.deque(maxlen=20)
         self._queue: collections.deque[Job] = collections.deque()
@@ -306,6 +309,7 @@ class Daemon:
             raise
         self._progress = time.monotonic()
         self.warmup_s = session.warmup_s
+        self.template_source = session.models.template.source
         self.session = session
         self.cold_loads += cold
         self.state, self.error, self._retry_load = "ready", None, False

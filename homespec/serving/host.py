@@ -19,6 +19,7 @@ from homespec.config import Config, Mode, override
 from homespec.errors import UserError
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.models.loader import ModelSet, load_model_set
+from homespec.speculation.constraints import Grammar
 from homespec.speculation.controller import Controller, make_policy
 from homespec.speculation.engine import Engine, Event, GenerationStats
 from homespec.speculation.proposers.base import Proposer
@@ -47,6 +48,7 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     mode: Mode = Mode.AUTO
     k: int | None = None  # fixed modes; None = config's speculation.k
+    grammar: str | None = None  # llguidance grammar every token must follow (constraints.py)
 
 
 def build_request(
@@ -56,6 +58,7 @@ def build_request(
     k: int | None = None,
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
+    grammar: str | None = None,
     **sampling: Any,
 ) -> GenerationRequest:
     """The one place a request is assembled: config.yaml's defaults, overridden by what the
@@ -69,7 +72,7 @@ def build_request(
         params = SamplingParams(**{f: getattr(s, f) for f in SamplingParams.__dataclass_fields__ if f in type(s).model_fields})
     except ValueError as e:
         raise UserError(str(e)) from None
-    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k)
+    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar)
 
 
 @dataclass
@@ -210,7 +213,9 @@ class Host:
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = Mode.OFF if req.mode == Mode.AUTO and not self.controller.cost.calibrated() else req.mode
         policy = make_policy(mode, k, self.controller)
+        target = self.models.target
+        grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab) if req.grammar else None
         self._prepare_cache(tokens)
         stats = GenerationStats()
-        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats)
+        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats, grammar)
         return Generation(events, stats)

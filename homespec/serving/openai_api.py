@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from homespec.config import Mode
+from homespec.serving.tool_calls import template_tool_calls
 from homespec.speculation.engine import GenerationStats
 
 
@@ -43,10 +44,27 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    name: str | None = None
+    function_call: FunctionCall | None = None  # the legacy form of one tool call
 
     def text(self) -> str:
         if self.content is None:
@@ -54,6 +72,53 @@ class Message(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None  # calls always follow the schema here (constrained decoding)
+
+    def template(self) -> dict[str, Any]:
+        """The definition as chat templates render it (they `tojson` the whole tool)."""
+        return {"type": "function", "function": self.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")  # True: any JSON value
+    strict: bool | None = None  # always strict here: the schema constrains generation
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format type 'json_schema' needs a json_schema object")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -105,26 +170,86 @@ class _Common(BaseModel):
         return list(self.stop or [])  # type: ignore[arg-type]
 
 
+ToolChoice = Literal["none", "auto", "required"]
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | NamedToolChoice | None = None  # None: "auto" with tools
+    parallel_tool_calls: bool = True
+    functions: list[FunctionDef] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy tool_choice
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama.cpp's extension: a GBNF (or Lark) grammar
 
     @model_validator(mode="after")
-    def _chat_unsupported(self) -> ChatRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported")
+    def _tool_fields(self) -> ChatRequest:
+        if self.tools and self.functions:
+            raise ValueError("send tools or the legacy functions, not both")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.function_call is not None and not self.functions:
+            raise ValueError("function_call needs functions")
+        names = self.tool_names()
+        if len(set(names)) != len(names):
+            raise ValueError("tool names must be unique")
+        choice = self.choice()
+        if choice not in ("none", "auto", "required") and choice not in names:
+            raise ValueError(f"tool_choice names {choice!r}, which is not among the tools")
+        constrained = [f for f, on in (("response_format", self.response_format and self.response_format.type != "text"),
+                                       ("grammar", self.grammar is not None),
+                                       ("tools", bool(names) and choice != "none")) if on]
+        if len(constrained) > 1:
+            raise ValueError(f"{' and '.join(constrained)} cannot be combined (each constrains the whole answer)")
         return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        return bool(self.functions)
+
+    def tool_defs(self) -> list[FunctionDef]:
+        return [t.function for t in self.tools or []] + list(self.functions or [])
+
+    def tool_names(self) -> list[str]:
+        return [f.name for f in self.tool_defs()]
+
+    def choice(self) -> str:
+        """"none" | "auto" | "required" | the one function's name."""
+        c = self.tool_choice if self.tools else self.function_call
+        if c is None:
+            return "auto"
+        if isinstance(c, NamedToolChoice):
+            return c.function.name
+        if isinstance(c, NamedFunction):
+            return c.name
+        return c
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The history as chat templates take it: "developer" is OpenAI's newer "system"; tool
+        results (and legacy "function" results) are "tool" messages; earlier calls carry their
+        arguments as objects. A call whose arguments are not JSON is the client's error."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+            msg: dict[str, Any] = {"role": role, "content": m.text()}
+            calls = m.tool_calls or ([ToolCall(function=m.function_call)] if m.function_call else [])
+            if calls:
+                try:
+                    msg["tool_calls"] = template_tool_calls([c.model_dump() for c in calls])
+                except ValueError:
+                    raise ApiError(400, f"messages[{i}].tool_calls: arguments are not a JSON object",
+                                   param=f"messages[{i}].tool_calls") from None
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
 
 
 class CompletionRequest(_Common):
@@ -197,13 +322,14 @@ def homespec_stats(st: GenerationStats, mode: str, cold: bool, baseline_tps: flo
     }
 
 
-def chat_body(rid: str, model: str, text: str, finish: str | None, st: GenerationStats, extra: dict) -> dict:
+def chat_body(rid: str, model: str, message: dict[str, Any], finish: str, st: GenerationStats, extra: dict) -> dict:
+    """message: the assistant message; finish: OpenAI's finish_reason."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": openai_finish(finish)}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": usage(st),
         "homespec": extra,
     }

@@ -27,14 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from homespec.errors import UserError
+
 # llguidance's JSON compiler, configured for what models were trained to write: json.dumps
 # separators (the Qwen and Hermes templates render tool calls with `tojson`, which uses them), no
 # free whitespace. A fixed layout also makes the punctuation and schema keys forced tokens.
 JSON_STYLE: dict[str, Any] = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
-class GrammarError(ValueError):
-    """A grammar that does not compile (the message says why)."""
+class GrammarError(UserError):
+    """A grammar or schema that does not compile (the message says why): the client's fault."""
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool) -> str:

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -33,6 +34,8 @@ from homespec.serving.routes.common import (
     job_error,
     shutting_down_error,
 )
+from homespec.serving.tool_calls import Call, CallStream, ToolFormat, call_grammar, parse_calls, tool_format
+from homespec.speculation.constraints import GrammarError, check_grammar, json_schema_grammar, lark_grammar
 
 Kind = Literal["chat", "completion"]
 
@@ -50,8 +53,56 @@ async def models(request: Request) -> dict:
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request, body: oa.ChatRequest) -> Any:
+    daemon = daemon_of(request)
     messages = body.chat_messages()
-    return await _complete(request, body, "chat", lambda models: models.encode_chat(messages))
+    tools = _tool_use(daemon, body)
+    defs = [f.template() for f in body.tool_defs()] or None
+    return await _complete(request, body, "chat", lambda models: models.encode_chat(messages, tools=defs),
+                           grammar=_chat_grammar(body, tools), tools=tools)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How this request's answer may call tools."""
+
+    fmt: ToolFormat
+    names: list[str]
+    legacy: bool  # answered as `function_call` (the deprecated `functions` API)
+
+
+def _tool_use(daemon: Daemon, body: oa.ChatRequest) -> ToolUse | None:
+    if not body.tool_defs():
+        return None
+    if daemon.template_source is None:
+        raise oa.ApiError(503, "not ready: the model has not been loaded yet", type="server_error", code="not_ready",
+                          headers={"Retry-After": "5"})
+    fmt = tool_format(daemon.template_source)
+    if fmt is None:
+        raise oa.ApiError(400, f"model {model_id(daemon.cfg)!r} has no tool-call format in its chat template; tools are not available with it",
+                          param="tools", code="tools_unsupported")
+    return ToolUse(fmt, body.tool_names(), body.legacy_functions)
+
+
+def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
+    """The constraint the request asks for (the request model allows one at most)."""
+    rf = body.response_format
+    try:
+        if tools is not None:
+            params = {f.name: f.parameters or {} for f in body.tool_defs()}
+            grammar = call_grammar(tools.fmt, params, body.choice(), body.parallel_tool_calls and not tools.legacy)
+            check_grammar(grammar)
+            return grammar
+        if rf is not None and rf.type == "json_object":
+            return json_schema_grammar({"type": "object"})
+        if rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None  # the request model checks it
+            return json_schema_grammar(rf.json_schema.schema_)
+        if body.grammar is not None:
+            return lark_grammar(body.grammar)
+    except GrammarError as e:
+        param = "tools" if tools is not None else "response_format" if rf is not None else "grammar"
+        raise oa.ApiError(400, str(e), param=param) from None
+    return None
 
 
 @router.post("/v1/completions")
@@ -60,12 +111,14 @@ async def completions(request: Request, body: oa.CompletionRequest) -> Any:
     return await _complete(request, body, "completion", lambda models: models.encode_text(text))
 
 
-async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Callable[[ModelSet], list[int]]) -> Any:
+async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Callable[[ModelSet], list[int]],
+                    grammar: str | None = None, tools: ToolUse | None = None) -> Any:
     """encode: the prompt's tokens from the loaded models (run on the worker thread)."""
     daemon = daemon_of(request)
     check_model(daemon.cfg, body.model)
-    job = Job(to_request(daemon, body, body.limit()), sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s, encode=encode)
-    return await run(request, body, job, kind)
+    job = Job(to_request(daemon, body, body.limit(), grammar), sink=lambda ev: None,
+              timeout_s=daemon.cfg.server.request_timeout_s, encode=encode)
+    return await run(request, body, job, kind, tools)
 
 
 def model_id(cfg: Config) -> str:
@@ -80,7 +133,7 @@ def check_model(cfg: Config, name: str | None) -> None:
         raise oa.ApiError(404, f"model {name!r} not found; this server serves {model_id(cfg)!r}", param="model", code="model_not_found")
 
 
-def to_request(daemon: Daemon, body: oa._Common, limit: int | None) -> GenerationRequest:
+def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str | None = None) -> GenerationRequest:
     h = body.homespec or oa.HomespecOptions()
     if h.speculation and h.speculation not in daemon.available_modes():
         raise oa.ApiError(400, f"speculation mode {h.speculation.value!r} is not available (choose from {', '.join(daemon.available_modes())})", param="homespec.speculation")
@@ -91,6 +144,7 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None) -> Generatio
             k=h.k,
             max_tokens=limit,
             stop=body.stops(),
+            grammar=grammar,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
@@ -105,7 +159,7 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None) -> Generatio
         raise oa.ApiError(400, str(e)) from None
 
 
-async def run(request: Request, body: oa._Common, job: Job, kind: Kind) -> Any:
+async def run(request: Request, body: oa._Common, job: Job, kind: Kind, tools: ToolUse | None = None) -> Any:
     """Queue the job and answer: one JSON body, or an event stream once the job has started."""
     daemon = daemon_of(request)
     bridge = Bridge()
@@ -119,13 +173,13 @@ async def run(request: Request, body: oa._Common, job: Job, kind: Kind) -> Any:
         raise oa.ApiError(503, f"not ready: models are {e.state}", type="server_error", code="not_ready",
                           headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
     try:
-        return await _answer(request, body, job, kind, bridge)
+        return await _answer(request, body, job, kind, bridge, tools)
     except ClientGone:
         log.info("request %s: client disconnected, generation cancelled", job.id)
         return Response(status_code=CLIENT_GONE_STATUS)
 
 
-async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, bridge: Bridge) -> Any:
+async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, bridge: Bridge, tools: ToolUse | None) -> Any:
     daemon = daemon_of(request)
     first = await bridge.next(request, job)
     if first.kind == "error":
@@ -135,7 +189,7 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
     meta = first.extra
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage)
+        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, tools)
         return EventSourceResponse(events, sep="\n", ping=15)
     text: list[str] = []
     while True:
@@ -146,8 +200,23 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
             raise job_error(ev)
         elif ev.kind == "done":
             extra = _extra(daemon, ev, meta)
-            build = oa.chat_body if kind == "chat" else oa.completion_body
-            return build(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
+            if kind == "completion":
+                return oa.completion_body(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
+            message, finish = _chat_message("".join(text), oa.openai_finish(ev.finish_reason), tools)
+            return oa.chat_body(rid, model, message, finish, ev.stats, extra)
+
+
+def _chat_message(text: str, finish: str, tools: ToolUse | None) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish_reason: the model's calls, when it made any well-formed
+    ones, as tool_calls (or the legacy function_call); otherwise its text."""
+    parsed = parse_calls(tools.fmt, text, tools.names) if tools is not None else None
+    if parsed is None or not parsed[1]:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parsed
+    if tools is not None and tools.legacy:
+        fn = calls[0].openai()["function"]
+        return {"role": "assistant", "content": content or None, "function_call": fn}, "function_call"
+    return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
 
 
 async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
@@ -160,11 +229,61 @@ async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
     return None
 
 
+class _ChatDeltas:
+    """Streamed text -> chat deltas: content as it comes; with tools, each call once it closes,
+    as OpenAI streams them (id, type and name first, then the arguments) so that clients'
+    stream helpers reassemble them."""
+
+    def __init__(self, tools: ToolUse | None) -> None:
+        self.tools = tools
+        self.calls = CallStream(tools.fmt, tools.names) if tools is not None else None
+        self.n_calls = 0
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        if self.calls is None:
+            return [{"content": text}] if text else []
+        content, calls = self.calls.push(text)
+        return ([{"content": content}] if content else []) + [d for c in calls for d in self._call(c)]
+
+    def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
+        """Held-back text, and the finish_reason (tool_calls once a call was sent)."""
+        if self.calls is None:
+            return [], reason
+        rest = self.calls.finish()
+        deltas = [{"content": rest}] if rest else []
+        if self.n_calls:
+            reason = "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
+        return deltas, reason
+
+    def _call(self, call: Call) -> list[dict[str, Any]]:
+        if self.tools is not None and self.tools.legacy:
+            if self.n_calls:  # the legacy API has one call per answer
+                return []
+            self.n_calls += 1
+            return [{"function_call": {"name": call.name, "arguments": ""}}, {"function_call": {"arguments": call.arguments}}]
+        i = self.n_calls
+        self.n_calls += 1
+        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [{"tool_calls": [head]}, {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}]
+
+
 async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
-                  include_usage: bool) -> AsyncIterator[dict]:
+                  include_usage: bool, tools: ToolUse | None) -> AsyncIterator[dict]:
     created = None
-    chunk = (lambda t, f=None: oa.chat_chunk(rid, model, {"content": t} if t else {}, f, created)) if kind == "chat" else (
-        lambda t, f=None: oa.completion_chunk(rid, model, t, f, created))
+    deltas = _ChatDeltas(tools)
+    if kind == "chat":
+        def chunks(text: str) -> list[dict]:
+            return [oa.chat_chunk(rid, model, d, None, created) for d in deltas.push(text)]
+
+        def last(reason: str) -> list[dict]:
+            held, reason = deltas.finish(reason)
+            return [oa.chat_chunk(rid, model, d, None, created) for d in held] + [oa.chat_chunk(rid, model, {}, reason, created)]
+    else:
+        def chunks(text: str) -> list[dict]:
+            return [oa.completion_chunk(rid, model, text, None, created)] if text else []
+
+        def last(reason: str) -> list[dict]:
+            return [oa.completion_chunk(rid, model, "", reason, created)]
     try:
         if kind == "chat":
             yield {"data": json.dumps(oa.chat_chunk(rid, model, {"role": "assistant", "content": ""}))}
@@ -178,14 +297,17 @@ async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, ki
                 yield {"data": json.dumps(shutting_down_error().body())}
                 break
             if ev.kind == "delta" and ev.text:
-                yield {"data": json.dumps(chunk(ev.text))}
+                for c in chunks(ev.text):
+                    yield {"data": json.dumps(c)}
             elif ev.kind == "error":
                 yield {"data": json.dumps(job_error(ev).body())}
                 break
             elif ev.kind == "done":
-                yield {"data": json.dumps(chunk("", oa.openai_finish(ev.finish_reason)))}
+                final = last(oa.openai_finish(ev.finish_reason))
+                for c in final:
+                    yield {"data": json.dumps(c)}
                 if include_usage:
-                    tail = {**chunk(""), "choices": [], "usage": oa.usage(ev.stats), "homespec": _extra(daemon, ev, meta)}
+                    tail = {**final[-1], "choices": [], "usage": oa.usage(ev.stats), "homespec": _extra(daemon, ev, meta)}
                     yield {"data": json.dumps(tail)}
                 break
         yield {"data": "[DONE]"}

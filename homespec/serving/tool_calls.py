@@ -1,0 +1,221 @@
+"""Tool calls: the format a model's chat template teaches, the grammar that keeps calls valid, and
+the parser that turns the model's text back into OpenAI's `tool_calls`.
+
+The format comes from the template, not from the model's name: a template that writes calls as
+`<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` (Qwen 2 / 2.5 / 3, Hermes, and
+their fine-tunes; tool results go back in the template's own `<tool_response>` turn) gets the
+Hermes format. A template without a tools section cannot be asked for tools; the request is
+refused rather than answered in prose.
+
+Generation is constrained in every mode that can call a tool, so a call is always one of the
+declared functions with arguments valid for its parameters schema (llguidance, JSON_STYLE):
+- auto: free text, then optionally calls (the text cannot contain the call marker);
+- required / a named function: calls only (one, unless parallel_tool_calls);
+- none: free text without the call marker.
+The grammar's forced tokens (the marker's newline, `{"name": "`, the name when only one tool
+fits, `", "arguments": {"` and the schema's keys) are the jump-forward drafts of the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from homespec.speculation.constraints import JSON_STYLE
+
+ANY_TEXT = "/(.|\\n)+/"  # Lark: any text; the call markers are special tokens, so outside it
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    open: str  # the marker before a call's JSON (a special token in Qwen's vocabulary)
+    close: str  # the marker after it
+    separator: str  # between two calls
+
+
+HERMES = ToolFormat("hermes", "<tool_call>", "</tool_call>", "\n")
+
+
+def tool_format(template_source: str | None) -> ToolFormat | None:
+    """The call format a chat template teaches, or None when it has no tools section."""
+    if template_source and "tools" in template_source and HERMES.open in template_source:
+        return HERMES
+    return None
+
+
+@dataclass(frozen=True)
+class Call:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it: a string
+
+    def openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# -- the grammar ---------------------------------------------------------------------------------
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal is a JSON string
+
+
+def _marker(text: str) -> str:
+    """A marker as Lark: the special token when the template's marker is one (`<...>`), so the
+    model writes the token it was trained on."""
+    return text if re.fullmatch(r"<[^<>\s]+>", text) else _literal(text)
+
+
+def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice: str, parallel: bool) -> str:
+    """The Lark grammar for a request's tool calls.
+
+    tools: name -> parameters JSON schema; choice: "auto" | "required" | "none" | a tool name.
+    """
+    names = list(tools) if choice in ("auto", "required", "none") else [choice]
+    rules = [
+        "%llguidance {}",
+        f"TEXT: {ANY_TEXT}",
+        f"call: {_marker(fmt.open)} \"\\n\" body \"\\n\" {_marker(fmt.close)}",
+        "calls: call" + (f" ({_literal(fmt.separator)} call)*" if parallel else ""),
+        "body: " + " | ".join(f"body_{i}" for i in range(len(names))),
+    ]
+    for i, name in enumerate(names):
+        schema = {"x-guidance": JSON_STYLE, **_object_schema(tools[name])}
+        rules.append(f"body_{i}: {_literal('{' + json.dumps('name') + ': ' + json.dumps(name) + ', ' + json.dumps('arguments') + ': ')} args_{i} \"}}\"")
+        rules.append(f"args_{i}: %json {json.dumps(schema)}")
+    start = {"auto": "start: TEXT? calls?", "none": "start: TEXT?"}.get(choice, "start: calls")
+    return "\n".join([start, *rules]) + "\n"
+
+
+def _object_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters schema; OpenAI allows it to be omitted (no parameters)."""
+    if not parameters:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return dict(parameters)
+
+
+# -- parsing the model's text --------------------------------------------------------------------
+
+
+def parse_calls(fmt: ToolFormat, text: str, known: Sequence[str]) -> tuple[str, list[Call]] | None:
+    """(content before the calls, calls), or None when the text holds no well-formed call of a
+    known tool (then the caller returns it as text: a malformed call is never an error)."""
+    start = text.find(fmt.open)
+    if start < 0:
+        return None
+    content, rest = text[:start], text[start:]
+    calls: list[Call] = []
+    while rest.strip():
+        rest = rest.lstrip()
+        if not rest.startswith(fmt.open):
+            return None
+        end = rest.find(fmt.close)
+        if end < 0:
+            return None
+        call = _parse_body(rest[len(fmt.open) : end], known)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = rest[end + len(fmt.close) :]
+    return content.strip(), calls
+
+
+def _parse_body(body: str, known: Sequence[str]) -> Call | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in known:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return Call(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class CallStream:
+    """Splits streamed text into content and complete calls: content passes through at once,
+    except a tail that may be the start of a call marker; a call is released when it closes.
+    A malformed call turns the rest of the stream into text, and finish() returns what was
+    held back (an unclosed call comes out as text too)."""
+
+    def __init__(self, fmt: ToolFormat, known: Sequence[str]) -> None:
+        self.fmt, self.known = fmt, list(known)
+        self.buf = ""
+        self.in_call = False
+        self.broken = False  # a malformed call was seen: everything after is text
+        self.calls: list[Call] = []
+
+    def push(self, text: str) -> tuple[str, list[Call]]:
+        """New text -> (content to send now, calls completed now)."""
+        self.buf += text
+        if self.broken:
+            out, self.buf = self.buf, ""
+            return out, []
+        content, done = "", []
+        while True:
+            if not self.in_call:
+                at = self.buf.find(self.fmt.open)
+                if at < 0:
+                    cut = len(self.buf) - _partial_suffix(self.buf, self.fmt.open)
+                    content += self.buf[:cut] if not self.calls else self.buf[:cut].strip()
+                    self.buf = self.buf[cut:]
+                    return content, done
+                # Content before the first call is sent; whitespace between calls is not.
+                content += self.buf[:at] if not self.calls else ""
+                self.buf = self.buf[at:]
+                self.in_call = True
+            end = self.buf.find(self.fmt.close)
+            if end < 0:
+                return content, done
+            call = _parse_body(self.buf[len(self.fmt.open) : end], self.known)
+            if call is None:
+                self.broken = True
+                content, self.buf = content + self.buf, ""
+                return content, done
+            done.append(call)
+            self.calls.append(call)
+            self.buf = self.buf[end + len(self.fmt.close) :]
+            self.in_call = False
+
+    def finish(self) -> str:
+        rest, self.buf = self.buf, ""
+        return rest
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+# -- history: OpenAI's messages as chat templates expect them ------------------------------------
+
+
+def template_tool_calls(calls: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI tool_calls as templates render them: arguments as an object
+    (templates write them with `tojson`; a JSON string would be quoted twice)."""
+    out = []
+    for c in calls:
+        fn = c["function"]
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
