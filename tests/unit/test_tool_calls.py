@@ -1,0 +1,96 @@
+"""Tool calls without weights: the format read from a template, the grammar, the parser and the
+stream splitter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from homespec.llama.template import CHATML
+from homespec.serving.tool_calls import HERMES, CallStream, call_grammar, parse_calls, template_tool_calls, tool_format
+from homespec.speculation.constraints import check_grammar
+
+QWEN_LIKE = "{%- if tools %}{{ tools | tojson }} <tool_call>\n{\"name\": ...}\n</tool_call>{%- endif %}" + CHATML
+KNOWN = ["get_weather", "set_light"]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_format_comes_from_the_template_and_a_template_without_tools_has_none():
+    assert tool_format(QWEN_LIKE) is HERMES
+    assert tool_format(CHATML) is None
+    assert tool_format(None) is None
+
+
+def test_a_well_formed_call_parses_into_an_openai_call_with_string_arguments():
+    content, (call,) = parse_calls(HERMES, "Let me check." + CALL, KNOWN)
+    assert content == "Let me check."
+    body = call.openai()
+    assert body["type"] == "function" and body["id"].startswith("call_")
+    assert body["function"]["name"] == "get_weather"
+    assert json.loads(body["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_parallel_calls_and_a_fenced_call_parse():
+    _, calls = parse_calls(HERMES, CALL + "\n" + CALL.replace("get_weather", "set_light"), KNOWN)
+    assert [c.name for c in calls] == ["get_weather", "set_light"]
+    fenced = '```json\n{\n  "name": "set_light",\n  "arguments": {"room": "hall", "on": true}\n}\n```'
+    _, (call,) = parse_calls(HERMES, fenced, KNOWN)
+    assert call.name == "set_light" and json.loads(call.arguments) == {"room": "hall", "on": True}
+
+
+@pytest.mark.parametrize("text", [
+    "Just prose, no call.",
+    CALL.replace("get_weather", "launch_rockets"),  # not a declared tool
+    CALL.replace('{"city": "Paris"}', '{"city": "Par'),  # broken JSON
+    CALL[:-5],  # unclosed
+    "```json\n[1, 2]\n```",  # a code block that is not a call
+    CALL + " and then some text that is not a call",
+])
+def test_anything_but_well_formed_calls_of_known_tools_stays_text(text):
+    assert parse_calls(HERMES, text, KNOWN) is None
+
+
+def _stream(pieces: list[str]) -> tuple[str, list[str]]:
+    s = CallStream(HERMES, KNOWN)
+    content, names = "", []
+    for p in pieces:
+        c, calls = s.push(p)
+        content += c
+        names += [x.name for x in calls]
+    return content + s.finish(), names
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_text_splits_into_content_and_calls_whatever_the_chunking(size):
+    text = "Sure. " + CALL + "\n" + CALL
+    content, names = _stream([text[i : i + size] for i in range(0, len(text), size)])
+    assert content == "Sure. " and names == ["get_weather", "get_weather"]
+
+
+def test_streaming_a_malformed_call_returns_it_as_text():
+    broken = CALL.replace("get_weather", "nope")
+    content, names = _stream(["Hi ", broken[:9], broken[9:]])
+    assert names == [] and content == "Hi " + broken
+    content, names = _stream(["Hi ", CALL[:20]])  # cut off (max_tokens) inside the call
+    assert names == [] and content == "Hi " + CALL[:20]
+
+
+def test_plain_text_with_backticks_is_sent_once_the_marker_is_ruled_out():
+    content, names = _stream(["use `x", "` here"])
+    assert content == "use `x` here" and names == []
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", "none", "set_light"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_call_grammars_compile_for_every_choice(choice, parallel):
+    tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+             "set_light": {}}
+    check_grammar(call_grammar(HERMES, tools, choice, parallel))
+
+
+def test_history_calls_carry_arguments_as_objects_for_the_template():
+    (call,) = template_tool_calls([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}])
+    assert call["function"]["arguments"] == {"a": 1}
+    with pytest.raises(ValueError):
+        template_tool_calls([{"function": {"name": "f", "arguments": "{oops"}}])
