@@ -11,6 +11,7 @@ what the messages say (always text): a message containing "<|im_end|>" must not 
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import re
 import secrets
@@ -49,6 +50,9 @@ class ChatTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        # transformers' `tojson`: keys in the order given and text unescaped, as templates were
+        # trained on (Jinja's own sorts keys and escapes HTML characters).
+        env.filters["tojson"] = _tojson
         self.source = source or CHATML
         self._template = env.from_string(self.source)
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -107,6 +111,11 @@ class ChatTemplate:
             for i, lit in zip(order, literals[1:]):
                 parts += [(contents[i], False), (lit, True)]
         return [p for p in parts if p[0]]
+
+
+def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False,
+            ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
 def _locate(plain: str, literals: list[str], contents: list[str]) -> list[Part] | None:

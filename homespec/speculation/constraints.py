@@ -117,7 +117,8 @@ class Grammar:
         consumed = 0
         for i in range(len(draft) + 1):
             rows[i] = self.allowed()
-            if i == len(draft) or not rows[i][draft[i]]:
+            # An allowed token after the grammar stopped is end-of-generation: nothing follows.
+            if i == len(draft) or not rows[i][draft[i]] or self._m.is_stopped():
                 break
             self._m.consume_token(int(draft[i]))
             consumed += 1
@@ -126,10 +127,13 @@ class Grammar:
         return rows
 
     def commit(self, tokens: Sequence[int]) -> None:
-        """The emitted tokens: verified against the masks, so the grammar accepts them (an
-        end-of-generation token ends it)."""
-        if tokens and not self._m.consume_tokens([int(t) for t in tokens]):
-            raise RuntimeError(f"grammar refused emitted tokens {list(tokens)}: {self._m.get_error()}")
+        """The emitted tokens: verified against the masks, so the grammar accepts them. Once it
+        has stopped, the one token it allowed was end-of-generation, which it does not consume."""
+        for t in tokens:
+            if self._m.is_stopped():
+                return
+            if not self._m.consume_token(int(t)):
+                raise RuntimeError(f"grammar refused emitted token {t}: {self._m.get_error()}")
 
 
 def apply_masks(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:

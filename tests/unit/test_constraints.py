@@ -145,3 +145,18 @@ def test_sampled_constrained_speculation_keeps_the_constrained_targets_distribut
     assert k == 0 or 0.2 < acceptance < 0.98  # accepts and rejections, grammar-invalid drafts among them
     p = fit_pvalue(starts, exact_constrained_starts(SamplingParams(**PARAMS)))
     assert p > 1e-3, f"k={k} seeded={seeded}: not the constrained target's distribution (chi-square p = {p:.2g})"
+
+
+def test_a_complete_grammar_ends_with_the_models_end_token_under_speculation():
+    """The grammar stops after its last character; the end token that follows is allowed by the
+    mask but not consumed (llguidance refuses tokens after a stop), also inside a draft."""
+    target = FakeRuntime(seed=0, vocab=64, eos=63)
+    grammar = lark_grammar('root ::= "ab"')
+    plain_out, _, _ = generate(target, grammar, FixedPolicy(), max_tokens=10)
+    assert plain_out == [0, 1, 63]
+    g = grammar_for(target, grammar)
+    g.commit([0, 1])
+    assert g.finished
+    rows = g.masks([63, 5])  # the end token, then a token past the end: never read
+    assert rows[0].tolist() == [t == 63 for t in range(64)]
+    g.commit([63])  # no error

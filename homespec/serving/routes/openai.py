@@ -66,7 +66,7 @@ class ToolUse:
     """How this request's answer may call tools."""
 
     fmt: ToolFormat
-    names: list[str]
+    names: list[str]  # the tools a call may name; empty under tool_choice "none"
     legacy: bool  # answered as `function_call` (the deprecated `functions` API)
 
 
@@ -80,7 +80,8 @@ def _tool_use(daemon: Daemon, body: oa.ChatRequest) -> ToolUse | None:
     if fmt is None:
         raise oa.ApiError(400, f"model {model_id(daemon.cfg)!r} has no tool-call format in its chat template; tools are not available with it",
                           param="tools", code="tools_unsupported")
-    return ToolUse(fmt, body.tool_names(), body.legacy_functions)
+    # Under "none" the tools stay in the prompt but nothing the model writes is a call.
+    return ToolUse(fmt, body.tool_names() if body.choice() != "none" else [], body.legacy_functions)
 
 
 def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
