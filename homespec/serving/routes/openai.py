@@ -33,6 +33,7 @@ from homespec.serving.routes.common import (
     job_error,
     shutting_down_error,
 )
+from homespec.speculation.sampling import TokenLogprob
 
 Kind = Literal["chat", "completion"]
 
@@ -100,6 +101,8 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None) -> Generatio
             frequency_penalty=body.frequency_penalty,
             # OpenAI's seed is a signed int64; numpy wants a non-negative one: map it 1:1.
             seed=None if body.seed is None else body.seed % 2**64,
+            logit_bias=body.token_bias(),
+            logprobs=body.logprobs_top(),
         )
     except UserError as e:
         raise oa.ApiError(400, str(e)) from None
@@ -133,21 +136,55 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
     model = model_id(daemon.cfg)
     meta = first.extra
+    lps = _Logprobs(kind) if job.request.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage)
+        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, lps)
         return EventSourceResponse(events, sep="\n", ping=15)
     text: list[str] = []
     while True:
         ev = await bridge.next(request, job)
         if ev.kind == "delta":
             text.append(ev.text)
+            if lps:
+                lps.add(ev)
         elif ev.kind == "error":
             raise job_error(ev)
         elif ev.kind == "done":
             extra = _extra(daemon, ev, meta)
             build = oa.chat_body if kind == "chat" else oa.completion_body
-            return build(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
+            out = build(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
+            out["choices"][0]["logprobs"] = lps.body() if lps else None
+            return out
+
+
+class _Logprobs:
+    """A request's logprobs in OpenAI's shape (chat or completions): of the whole answer, as the
+    deltas bring them (add, body), or of one delta at a time (chunk)."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self.entries: list[TokenLogprob] = []
+        self.pieces: dict[int, bytes] = {}
+        self.offset = 0  # characters of the completion already streamed (text_offset)
+
+    def add(self, ev: JobEvent) -> None:
+        self.entries += ev.logprobs
+        self.pieces.update(ev.pieces)
+
+    def body(self) -> dict:
+        return self._shape(self.entries, self.pieces, 0)
+
+    def chunk(self, ev: JobEvent) -> dict:
+        out = self._shape(ev.logprobs, ev.pieces, self.offset)
+        if self.kind == "completion":
+            self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _shape(self, entries: list[TokenLogprob], pieces: dict[int, bytes], offset: int) -> dict:
+        if self.kind == "chat":
+            return oa.chat_logprobs(entries, pieces)
+        return oa.completion_logprobs(entries, pieces, offset)
 
 
 async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
@@ -161,7 +198,7 @@ async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
 
 
 async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
-                  include_usage: bool) -> AsyncIterator[dict]:
+                  include_usage: bool, lps: _Logprobs | None = None) -> AsyncIterator[dict]:
     created = None
     chunk = (lambda t, f=None: oa.chat_chunk(rid, model, {"content": t} if t else {}, f, created)) if kind == "chat" else (
         lambda t, f=None: oa.completion_chunk(rid, model, t, f, created))
@@ -177,8 +214,11 @@ async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, ki
                 log.warning("request %s: stream cut at the drain timeout (server.drain_timeout_s)", job.id)
                 yield {"data": json.dumps(shutting_down_error().body())}
                 break
-            if ev.kind == "delta" and ev.text:
-                yield {"data": json.dumps(chunk(ev.text))}
+            if ev.kind == "delta" and (ev.text or (lps and ev.logprobs)):
+                out = chunk(ev.text)
+                if lps:
+                    out["choices"][0]["logprobs"] = lps.chunk(ev)
+                yield {"data": json.dumps(out)}
             elif ev.kind == "error":
                 yield {"data": json.dumps(job_error(ev).body())}
                 break
