@@ -4,6 +4,8 @@ shapes, refusals and stream lines are checked in seconds without weights."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,11 +25,21 @@ VOCAB = 64
 WAIT_S = 60
 
 
+class SlowRuntime(FakeRuntime):
+    """A pass costs `delay_s`, so a stream lasts long enough for keep-alive pings to be due."""
+
+    delay_s = 0.0
+
+    def eval(self, tokens: Sequence[int], output: str = "all") -> Any:
+        time.sleep(self.delay_s)
+        return super().eval(tokens, output)
+
+
 class ScriptedModels:
     """What Host needs of a ModelSet: a scripted target, no draft, no MTP head."""
 
     def __init__(self) -> None:
-        self.target = FakeRuntime(vocab=VOCAB, n_ctx=512)
+        self.target = SlowRuntime(vocab=VOCAB, n_ctx=512)
         self.draft = None
         self.mtp_head = None
 
@@ -154,3 +166,27 @@ def test_ignored_fields_are_accepted_and_change_nothing(server: tuple[str, Daemo
     plain, extra = post(url, "/v1/chat/completions", base), post(url, "/v1/chat/completions", {**base, **ignored})
     assert extra.status_code == plain.status_code == 200, extra.text
     assert extra.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+def stream_lines(url: str) -> list[str]:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=WAIT_S) as r:
+        assert r.status_code == 200
+        return [line for line in r.iter_lines() if line.strip()]
+
+
+def test_streams_carry_only_data_lines_unless_pings_are_configured(server: tuple[str, Daemon]) -> None:
+    """Clients that read every non-empty line as `data:` choke on `: ping` comments."""
+    url, daemon = server
+    assert Config().server.sse_ping_s == 0  # off unless configured
+    target = daemon.session.models.target  # type: ignore[union-attr]
+    target.delay_s = 0.05  # ~0.6 s of stream: several 0.05 s ping intervals
+    try:
+        lines = stream_lines(url)
+        assert lines and all(line.startswith("data: ") for line in lines), lines
+        json.loads(lines[0].removeprefix("data: "))
+        daemon.cfg.server.sse_ping_s = 0.05  # read per request
+        assert any(line.startswith(":") for line in stream_lines(url))  # the control: pings do show
+    finally:
+        daemon.cfg.server.sse_ping_s = 0
+        target.delay_s = 0.0

@@ -140,7 +140,7 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, lps)
-        return EventSourceResponse(events, sep="\n", ping=15)
+        return EventSourceResponse(events, sep="\n", ping=daemon.cfg.server.sse_ping_s)  # 0: no ": ping" lines
     text: list[str] = []
     while True:
         ev = await bridge.next(request, job)
