@@ -185,6 +185,10 @@ class ServerConfig(_Strict):
     # Far below LimitNOFILE (65536 in the unit, 1024 without it) and far above what a home
     # server's clients open; past it the connection waiting longest for its header is dropped.
     max_connections: int = Field(512, ge=8, le=60_000, description="Open HTTP connections at most")
+    # Off: some OpenAI-compatible clients read every non-empty line of a stream as `data:` and
+    # choke on the `: ping` comment lines; a token stream sends data often anyway. Set it for a
+    # proxy that closes connections idle longer than its timeout (a long prompt's prefill).
+    sse_ping_s: float = Field(0, ge=0, le=3600, description="Seconds between keep-alive comments on a stream (0 = none)")
 
     @field_validator("api_key")
     @classmethod

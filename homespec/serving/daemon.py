@@ -34,6 +34,8 @@ from homespec.serving.host import GenerationRequest, Host
 from homespec.serving.stats import LiveStats, Metrics
 from homespec.serving.stats_schema import DaemonState, RequestRecord
 from homespec.speculation.engine import GenerationStats, PromptTooLong
+from homespec.speculation.sampling import TokenLogprob
+from homespec.speculation.target import Target
 
 log = logging.getLogger("homespec.serving.daemon")
 
@@ -61,6 +63,8 @@ class JobEvent:
     status: int = 200  # for "error": the HTTP status it maps to
     code: str | None = None  # for "error": a machine-readable code
     extra: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # for "delta": of the tokens its text shows
+    pieces: dict[int, bytes] = field(default_factory=dict)  # the bytes of every token id in logprobs
 
 
 @dataclass
@@ -375,7 +379,8 @@ class Daemon:
                 if ev.step is not None:
                     self.live.add_step(ev.step, baseline)
                     self.metrics.observe_step(ev.step)
-                job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=ev.finish_reason))
+                job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=ev.finish_reason,
+                                  logprobs=ev.logprobs, pieces=_pieces(ev.logprobs, models.target) if ev.logprobs else {}))
                 if ev.finish_reason:
                     break
                 if job.cancelled.is_set():
@@ -470,3 +475,10 @@ class Daemon:
 
     def version(self) -> str:
         return __version__
+
+
+def _pieces(logprobs: list[TokenLogprob], target: Target) -> dict[int, bytes]:
+    """Token id -> bytes for the tokens a delta's logprobs name (special tokens spelled out),
+    read here on the worker thread: llama.cpp objects are only touched from it."""
+    ids = {lp.token for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top}
+    return {t: target.piece(t, special=True) for t in ids}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.mtp import MTPProposer
 from homespec.speculation.proposers.ngram import NgramProposer
-from homespec.speculation.sampling import SamplingParams
+from homespec.speculation.sampling import SamplingParams, with_logit_bias
 
 log = logging.getLogger("homespec.serving.host")
 
@@ -49,6 +49,7 @@ class GenerationRequest:
     mode: Mode = Mode.AUTO
     k: int | None = None  # fixed modes; None = config's speculation.k
     grammar: str | None = None  # llguidance grammar every token must follow (constraints.py)
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
 
 
 def build_request(
@@ -59,20 +60,24 @@ def build_request(
     max_tokens: int | None = None,
     stop: Sequence[str] = (),
     grammar: str | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    logprobs: int | None = None,
     **sampling: Any,
 ) -> GenerationRequest:
     """The one place a request is assembled: config.yaml's defaults, overridden by what the
     caller (CLI flags, an API body) set; None means "not set". Overrides are checked against
-    the config's own bounds, so a bad one raises UserError naming the field."""
+    the config's own bounds, so a bad one raises UserError naming the field. logit_bias and
+    logprobs have no config default: they belong to one request."""
     s = cfg.sampling.model_copy()
     spec = cfg.speculation.model_copy()
     override(s, {**sampling, "max_tokens": max_tokens})
     override(spec, {"mode": mode, "k": k})
     try:
         params = SamplingParams(**{f: getattr(s, f) for f in SamplingParams.__dataclass_fields__ if f in type(s).model_fields})
+        params = with_logit_bias(params, logit_bias)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar)
+    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar, logprobs)
 
 
 @dataclass
@@ -209,6 +214,7 @@ class Host:
 
     def generate(self, tokens: Sequence[int], req: GenerationRequest) -> Generation:
         self.check_mode(req.mode)
+        check_logit_bias(req.params, self.models.target.n_vocab)
         k = self.cfg.speculation.k if req.k is None else req.k
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = Mode.OFF if req.mode == Mode.AUTO and not self.controller.cost.calibrated() else req.mode
@@ -217,5 +223,12 @@ class Host:
         grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab) if req.grammar else None
         self._prepare_cache(tokens)
         stats = GenerationStats()
-        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats, grammar)
+        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats, grammar, req.logprobs)
         return Generation(events, stats)
+
+
+def check_logit_bias(params: SamplingParams, n_vocab: int) -> None:
+    """The bias names tokens of this target's vocabulary (known only once it is loaded)."""
+    bad = [t for t, _ in params.logit_bias if t >= n_vocab]
+    if bad:
+        raise UserError(f"logit_bias: token id {bad[0]} is not in the vocabulary (ids 0..{n_vocab - 1})")

@@ -1,9 +1,10 @@
 """OpenAI-compatible request models and response bodies (chat completions, completions).
 
-Requests are validated by pydantic with OpenAI's ranges; fields OpenAI defines but homespec
-cannot honour (n > 1, logprobs, tools, a JSON response_format) are refused with a 400 that
-names them rather than silently ignored. Unknown extra fields are ignored, as OpenAI does.
-homespec's own knobs travel in an extension object, `homespec: {"speculation": "off", "k": 4}`.
+Requests are validated by pydantic with OpenAI's ranges. Each field OpenAI defines is honoured,
+ignored because it cannot change the answer, or refused with a 400 that names it (the table and
+the reasons: openai_fields.py); fields OpenAI does not define are refused as well, as OpenAI
+refuses them, so nothing that would change the answer is accepted and dropped. homespec's own
+knobs travel in an extension object, `homespec: {"speculation": "off", "k": 4}`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from homespec.config import Mode
+from homespec.serving.openai_fields import refusal
 from homespec.serving.tool_calls import template_tool_calls
 from homespec.speculation.engine import GenerationStats
+from homespec.speculation.sampling import TokenLogprob
 
 
 class ApiError(Exception):
@@ -127,7 +130,9 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI refuses fields it does not define, and so do we: accepting one and answering without
+    # it would hand back something other than what was asked for.
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -139,11 +144,11 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI: a signed 64-bit integer
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    n: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    user: str | None = None  # ignored (openai_fields.py says why)
     homespec: HomespecOptions | None = None
 
     @field_validator("stop")
@@ -158,22 +163,97 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> _Common:
-        if self.n != 1:
-            raise ValueError("n > 1 is not supported (one completion per request)")
-        if self.logprobs:
-            raise ValueError("logprobs are not supported")
-        return self
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        # Ids beyond the vocabulary are refused on the worker, where the loaded target is known.
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys are token ids (non-negative integers), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} is {bias}; it must lie in [-100, 100]")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _refused_common(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse(info.field_name, v)
 
     def stops(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
+
+    def token_bias(self) -> dict[int, float] | None:
+        return {int(t): b for t, b in self.logit_bias.items()} if self.logit_bias else None
+
+    def logprobs_top(self) -> int | None:
+        """None: no logprobs; n: each token's logprob and its n likeliest alternatives."""
+        return None
+
+
+def _refuse(name: str | None, value: Any) -> Any:
+    why = refusal(name or "", value)
+    if why:
+        raise ValueError(why)
+    return value
+
+
+class _ChatFields(_Common):
+    """Chat's own fields beyond the common ones (tools and response_format are ChatRequest's)."""
+
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Ignored: none of them can change the answer (openai_fields.py says why, field by field).
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    prediction: Any = None
+    # Refused unless they ask for nothing (null; modalities ["text"]).
+    audio: Any = None
+    modalities: Any = None
+    moderation: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
+    @field_validator("audio", "modalities", "moderation", "reasoning_effort", "verbosity", "web_search_options")
+    @classmethod
+    def _refused_chat(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse(info.field_name, v)
+
+    def logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class _CompletionFields(_Common):
+    """The completions endpoint's own fields beyond the common ones."""
+
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy meaning: alternatives per token
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _refused_completion(cls, v: Any, info: ValidationInfo) -> Any:
+        return _refuse(info.field_name, v)
+
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
 
 ToolChoice = Literal["none", "auto", "required"]
 
 
-class ChatRequest(_Common):
+class ChatRequest(_ChatFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
@@ -252,7 +332,7 @@ class ChatRequest(_Common):
         return out
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(_CompletionFields):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
@@ -319,6 +399,42 @@ def homespec_stats(st: GenerationStats, mode: str, cold: bool, baseline_tps: flo
         "draft_s": round(st.draft_s, 4),
         "verify_s": round(st.verify_s, 4),
         "cold": cold,
+    }
+
+
+# OpenAI's floor for a log-probability: JSON has no -Infinity (a token masked to -inf, say).
+MIN_LOGPROB = -9999.0
+
+
+def _lp(x: float) -> float:
+    return max(x, MIN_LOGPROB)
+
+
+def _token_entry(token: int, logprob: float, pieces: dict[int, bytes]) -> dict[str, Any]:
+    raw = pieces.get(token, b"")
+    return {"token": raw.decode("utf-8", "replace"), "logprob": _lp(logprob), "bytes": list(raw)}
+
+
+def chat_logprobs(lps: list[TokenLogprob], pieces: dict[int, bytes]) -> dict[str, Any]:
+    """choices[i].logprobs of a chat answer or chunk; pieces: token id -> its bytes."""
+    content = [{**_token_entry(lp.token, lp.logprob, pieces), "top_logprobs": [_token_entry(t, x, pieces) for t, x in lp.top]}
+               for lp in lps]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(lps: list[TokenLogprob], pieces: dict[int, bytes], offset: int = 0) -> dict[str, Any]:
+    """choices[i].logprobs of a completion or chunk (OpenAI's legacy shape). offset: characters
+    of the completion before these tokens; text_offset[j] is where token j starts in it."""
+    tokens = [pieces.get(lp.token, b"").decode("utf-8", "replace") for lp in lps]
+    starts = []
+    for tok in tokens:
+        starts.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_lp(lp.logprob) for lp in lps],
+        "top_logprobs": [{pieces.get(t, b"").decode("utf-8", "replace"): _lp(x) for t, x in lp.top} for lp in lps],
+        "text_offset": starts,
     }
 
 

@@ -27,14 +27,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from homespec.speculation.constraints import Grammar, apply_masks
 from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer
-from homespec.speculation.sampling import SamplingParams, choose, make_rng, position_keys, target_view, window
+from homespec.speculation.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    choose,
+    make_rng,
+    position_keys,
+    target_view,
+    token_logprobs,
+    window,
+)
 from homespec.speculation.target import Target
 from homespec.speculation.textstream import TextStream
 from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify, seeded_verify
@@ -173,6 +182,10 @@ class Event:
     tokens: list[int]  # new tokens, counted in usage
     step: StepStats | None  # the step that produced them (None: the first token, from prefill)
     finish_reason: str | None = None  # "stop" | "length" | "context"; None = more to come
+    # With logprobs asked for: one per token whose text this event shows (not one per `tokens`:
+    # text held back for a possible stop string brings its tokens' logprobs when it is shown,
+    # and a stop string's own tokens and EOS are never shown).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class PromptTooLong(ValueError):
@@ -196,9 +209,13 @@ class Engine:
         policy: SpeculationPolicy | None = None,
         stats: GenerationStats | None = None,
         grammar: Grammar | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[Event]:
         """Yield events until EOS, a stop string, max_tokens or a full context.
         grammar: constrains every token (constraints.py); None: unconstrained.
+
+        logprobs: None, or report each shown token's log-probability (sampling.token_logprobs)
+        with that many likeliest alternatives, read from the rows that verified it.
 
         The generator may be closed at any event (a client went away): the caches stay
         consistent and the next generation reuses them.
@@ -209,7 +226,7 @@ class Engine:
             raise PromptTooLong(len(prompt), self.target.n_ctx)
         policy = policy or FixedPolicy()
         st = stats if stats is not None else GenerationStats()
-        return self._run(list(prompt), params, max_tokens, stop, policy, st, grammar)
+        return self._run(list(prompt), params, max_tokens, stop, policy, st, grammar, logprobs)
 
     def _run(
         self,
@@ -220,6 +237,7 @@ class Engine:
         policy: SpeculationPolicy,
         st: GenerationStats,
         grammar: Grammar | None,
+        top: int | None,
     ) -> Iterator[Event]:
         t_start = time.perf_counter()
         rng = make_rng(params.seed)
@@ -236,14 +254,15 @@ class Engine:
         text = TextStream(self.target.piece, stop)
         out = _Emitter(self.target, text, max_tokens, st)
 
-        event = out.emit(ctx, [first], None)
+        lps = token_logprobs(logits[:1], params, ctx, [first], top) if top is not None else None
+        event = out.emit(ctx, [first], None, lps)
         if grammar is not None:
             grammar.commit(event.tokens)
         while True:
             if event.finish_reason is None and len(ctx) >= self.target.n_ctx:
                 event.finish_reason = st.finish_reason = "context"
             if event.finish_reason is not None:
-                event.text += out.flush()
+                out.finish(event)
                 st.total_s = time.perf_counter() - t_start
                 yield event
                 return
@@ -259,7 +278,10 @@ class Engine:
                 verdict, step = self._step(ctx, decision.proposer if k else None, k, params, rng, grammar)
             policy.observe(step)
             st.add(step)
-            event = out.emit(ctx, verdict.tokens, step)
+            lps = None
+            if top is not None and verdict.rows is not None:
+                lps = token_logprobs(verdict.rows, params, ctx, verdict.tokens, top)
+            event = out.emit(ctx, verdict.tokens, step, lps)
             if grammar is not None:
                 grammar.commit(event.tokens)
 
@@ -297,27 +319,34 @@ class Engine:
         else:
             verdict = rejection_verify(d, view, proposal.q, rng)
         self.target.truncate(len(ctx) + verdict.accepted)
+        verdict = replace(verdict, rows=logits[: verdict.accepted + 1])  # what logprobs read
         verify_s = time.perf_counter() - t0
         step = StepStats(name, k, len(d), verdict.accepted, proposal.draft_s, verify_s, tuple(verdict.outcomes), proposal.info)
         return verdict, step
 
 
 class _Emitter:
-    """Appends verified tokens to ctx and applies the stop conditions, token by token."""
+    """Appends verified tokens to ctx and applies the stop conditions, token by token; hands
+    out each token's logprob with the text it shows."""
 
     def __init__(self, target: Target, text: TextStream, max_tokens: int, st: GenerationStats) -> None:
         self.target, self.text, self.max_tokens, self.st = target, text, max_tokens, st
+        self.shown = 0  # characters of text handed out so far
+        self.pending: list[tuple[int, int, TokenLogprob]] = []  # (start, end) of a token's text, its logprob
 
-    def emit(self, ctx: list[int], tokens: list[int], step: StepStats | None) -> Event:
+    def emit(self, ctx: list[int], tokens: list[int], step: StepStats | None, lps: list[TokenLogprob] | None = None) -> Event:
         ev = Event("", [], step)
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             ctx.append(tok)
             ev.tokens.append(tok)
             self.st.completion_tokens += 1
             if self.target.is_eog(tok):
                 ev.finish_reason = "stop"
                 break
+            start = self.text.decoded
             ev.text += self.text.push(tok)
+            if lps is not None:
+                self.pending.append((start, self.text.decoded, lps[i]))
             if self.text.stopped:
                 ev.finish_reason = "stop"
                 break
@@ -328,8 +357,29 @@ class _Emitter:
             self.st.finish_reason = ev.finish_reason
             # Tokens after the stop are dropped; the target cache must not hold them either.
             self.target.truncate(min(len(self.target.tokens), len(ctx) - 1))
+        self._release(ev, len(ev.text), final=False)
         return ev
 
-    def flush(self) -> str:
-        return self.text.flush()
+    def finish(self, ev: Event) -> None:
+        """The last event: release the text held back for stop strings, and its logprobs."""
+        tail = self.text.flush()
+        ev.text += tail
+        self._release(ev, len(tail), final=True)
+
+    def _release(self, ev: Event, added: int, final: bool) -> None:
+        """ev shows `added` more characters: move to it the logprobs of the tokens whose text is
+        now shown in full — or, at the end, shown at all (a token cut by a stop string shows
+        only its text before the stop)."""
+        self.shown += added
+        n = 0
+        while n < len(self.pending) and self.pending[n][1] <= self.shown:
+            n += 1
+        if final:
+            while n < len(self.pending) and self.pending[n][0] < self.shown:
+                n += 1
+            ev.logprobs += [lp for _, _, lp in self.pending[:n]]
+            self.pending = []
+            return
+        ev.logprobs += [lp for _, _, lp in self.pending[:n]]
+        del self.pending[:n]
 

@@ -4,11 +4,17 @@ Speculative sampling is exact only if the proposer's q and the target's p come f
 transform of their logits (Leviathan et al., 2023, section 2.3). So everything that shapes a
 distribution lives here, and the engine, the draft proposer and the verifier all call it:
 
-    logits --penalties(recent tokens)--> --/temperature--> softmax --top_k--> --top_p--> --min_p--> p
+    logits --logit_bias--> --penalties(recent tokens)--> --/temperature--> softmax
+           --top_k--> --top_p--> --min_p--> p
 
-Order: penalties first (they change logits), then temperature, then the truncations on the
-tempered distribution (the order of Hugging Face's `generate`; llama.cpp truncates before
-tempering, which differs only when top_p/min_p and temperature are both set).
+Order: the logit bias and the penalties first (they change logits; the bias first, as in
+llama.cpp's sampler chain), then temperature, then the truncations on the tempered distribution
+(the order of Hugging Face's `generate`; llama.cpp truncates before tempering, which differs
+only when top_p/min_p and temperature are both set).
+
+The logit bias is OpenAI's: a number in [-100, 100] added to a token's logit; -100 bans the
+token in practice, +100 all but forces it. Being part of `penalize`, it reaches the target's
+rows, the first token and every proposer's q alike, so speculation stays exact with it.
 
 Penalties look at the last `penalty_last_n` tokens of the context (prompt and output), as
 llama.cpp does: repetition (CTRL-style, divides positive logits), presence (flat) and frequency
@@ -16,6 +22,10 @@ llama.cpp does: repetition (CTRL-style, divides positive logits), presence (flat
 
 Temperature 0 means greedy: the token is the argmax of the penalised logits; no probabilities
 are formed.
+
+Logprobs (`token_logprobs`): log softmax of the penalised logits — bias and penalties applied,
+temperature and truncation not — i.e. the model's own log-probabilities, as OpenAI reports
+them, under the request's bias and penalties.
 
 Randomness. Unseeded, a request draws from its own generator (make_rng), in whatever order the
 loop consumes it. Seeded, every draw at context position j is a pure function of (seed, j, p):
@@ -26,8 +36,8 @@ every proposer and k (verify.py, seeded_verify).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -46,6 +56,8 @@ class SamplingParams:
     # punish a code file for reusing its own identifiers.
     penalty_last_n: int = 64
     seed: int | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs, ids ascending; added to those logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +67,7 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1),
             ("repetition_penalty", self.repetition_penalty > 0),
             ("penalty_last_n", self.penalty_last_n >= 0),
+            ("logit_bias", all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias)),
         ]
         for name, ok in checks:
             if not ok:
@@ -70,20 +83,45 @@ class SamplingParams:
             self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         )
 
+    @property
+    def shifts_logits(self) -> bool:
+        """`penalize` may change the logits: a bias or a penalty is set (else it is the identity)."""
+        return bool(self.logit_bias) or self.has_penalties
+
+
+def with_logit_bias(params: SamplingParams, bias: Mapping[int, float] | None) -> SamplingParams:
+    """params with OpenAI's logit_bias map ({token id: bias}) set; None or {} leaves none."""
+    return replace(params, logit_bias=tuple(sorted((int(t), float(b)) for t, b in (bias or {}).items())))
+
 
 def penalize(logits: np.ndarray, params: SamplingParams, recent: Sequence[int]) -> np.ndarray:
-    """Apply the penalties for the tokens in `recent` (the window already cut). logits: [vocab]."""
+    """Add the logit bias, then apply the penalties for the tokens in `recent` (the window
+    already cut). logits: [vocab]; returned unchanged (not copied) when there is nothing to do."""
+    out = logits
+    if params.logit_bias:
+        out = _bias(logits, params.logit_bias)
     if not params.has_penalties or len(recent) == 0:
-        return logits
+        return out
     ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)  # [m], [m]
     ids, counts = ids[ids < logits.shape[0]], counts[ids < logits.shape[0]]
-    out = logits.copy()
+    out = out.copy() if out is logits else out
     vals = out[ids]
     if params.repetition_penalty != 1.0:
         # CTRL (Keskar et al.): shrink towards "less likely" whatever the logit's sign.
         vals = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     vals = vals - params.presence_penalty - params.frequency_penalty * counts
     out[ids] = vals
+    return out
+
+
+def _bias(logits: np.ndarray, bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """logits [vocab] + the bias of each listed id; ids beyond this vocab (a draft with a few
+    rows fewer than the target's) are skipped: the proposer pads those rows with -inf anyway."""
+    ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))  # [m]
+    vals = np.fromiter((b for _, b in bias), dtype=np.float64, count=len(bias))  # [m]
+    keep = ids < logits.shape[0]
+    out = logits.copy()
+    out[ids[keep]] += vals[keep].astype(out.dtype)
     return out
 
 
@@ -205,7 +243,7 @@ def target_view(
     continuation[:i] was accepted, so its penalties may assume it was.
     """
     n = logits.shape[0]
-    if params.greedy and not params.has_penalties:
+    if params.greedy and not params.shifts_logits:  # the argmax of the raw rows is the answer
         return np.argmax(logits, axis=1)
     seq = list(context[-params.penalty_last_n :]) if params.has_penalties else []
     rows = []
@@ -213,6 +251,38 @@ def target_view(
         z = penalize(logits[i], params, window(seq + list(continuation[:i]), params))
         rows.append(int(np.argmax(z)) if params.greedy else probabilities(z, params))
     return np.asarray(rows)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target (module docstring, "Logprobs")."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the `top` likeliest (id, logprob), likeliest first
+
+
+def token_logprobs(
+    rows: np.ndarray, params: SamplingParams, context: Sequence[int], tokens: Sequence[int], top: int
+) -> list[TokenLogprob]:
+    """The log-probabilities of `tokens` from the target's rows that chose them — no extra pass.
+
+    rows: [n, vocab], row i scored after context + tokens[:i] (a step's verified rows, or the
+    prefill's last row); tokens: [n]; top: alternatives to list per token (0: none).
+    """
+    out = []
+    recent = list(window(context, params))
+    for i, tok in enumerate(tokens):
+        z = penalize(rows[i], params, window(recent + list(tokens[:i]), params)).astype(np.float64)  # [vocab]
+        m = z.max()
+        lp = z - (m + np.log(np.exp(z - m).sum()))  # log softmax, [vocab]
+        alts: tuple[tuple[int, float], ...] = ()
+        if top > 0:
+            best = np.argpartition(-lp, top - 1)[:top] if top < lp.shape[0] else np.arange(lp.shape[0])
+            best = best[np.argsort(-lp[best], kind="stable")]
+            alts = tuple((int(t), float(lp[t])) for t in best)
+        out.append(TokenLogprob(int(tok), float(lp[tok]), alts))
+    return out
 
 
 def make_rng(seed: int | None) -> np.random.Generator:

@@ -24,11 +24,14 @@ class TextStream:
         self._held = ""  # decoded text not yet emitted (could begin a stop string)
         self.stopped = False  # a stop string was found; push() returns "" from now on
         self.stop_matched: str | None = None
+        self.decoded = 0  # characters decoded so far, shown or held (a token's text ends here)
 
     def push(self, token: int) -> str:
         if self.stopped:
             return ""
-        text = self._held + self._decoder.decode(self._piece(token))
+        new = self._decoder.decode(self._piece(token))
+        self.decoded += len(new)
+        text = self._held + new
         cut = self._first_stop(text)
         if cut is not None:
             self.stopped = True

@@ -55,6 +55,9 @@ class Verdict:
     # Per proposed position: True accepted, False rejected; positions after the first rejection
     # were never tested and are absent, so len(outcomes) == min(k, n + 1).
     outcomes: list[bool] = field(default_factory=list)
+    # [n + 1, vocab] the target's logits rows that chose `tokens` (set by the engine; logprobs
+    # are read from them, so they cost no extra pass)
+    rows: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def bonus(self) -> int:

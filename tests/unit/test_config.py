@@ -29,3 +29,11 @@ def test_the_shipped_config_yaml_is_valid_and_matches_the_defaults():
     shipped = load_config(Path(__file__).resolve().parents[2] / "config.yaml")
     # Every section, every key (base_dir, where the file lies, is excluded from the dump).
     assert shipped.model_dump() == Config().model_dump()
+
+
+@pytest.mark.parametrize("value", ["-1", "3601", "soon"])
+def test_a_bad_sse_ping_interval_is_refused_naming_the_field(tmp_path, value):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"server:\n  sse_ping_s: {value}\n")
+    with pytest.raises(ConfigError, match=r"server\.sse_ping_s"):
+        load_config(path)

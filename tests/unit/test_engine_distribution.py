@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 from homespec.speculation import engine as engine_mod
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 from homespec.speculation.proposers.draft import DraftProposer
-from homespec.speculation.sampling import SamplingParams, penalize, probabilities, window
+from homespec.speculation.sampling import SamplingParams, penalize, probabilities, window, with_logit_bias
 
 from .fakes import FakeRuntime
 
@@ -59,12 +59,12 @@ def exact_starts(params: SamplingParams) -> dict[tuple[int, ...], float]:
     return out
 
 
-def generate_starts(k: int, seeded: bool, draws: int = DRAWS) -> tuple[list[tuple[int, ...]], float]:
+def generate_starts(k: int, seeded: bool, draws: int = DRAWS, bias: dict[int, float] | None = None) -> tuple[list[tuple[int, ...]], float]:
     """The first N_TOKENS tokens of `draws` generations; and the acceptance rate."""
     eng, d = Engine(target()), draft()
     starts, accepted, proposed = [], 0, 0
     for i in range(draws):
-        params = SamplingParams(**PARAMS, seed=i if seeded else None)
+        params = with_logit_bias(SamplingParams(**PARAMS, seed=i if seeded else None), bias)
         policy = FixedPolicy(d, k) if k else FixedPolicy()
         st = GenerationStats()
         toks = [t for ev in eng.generate(PROMPT, params, max_tokens=N_TOKENS + 1, policy=policy, stats=st) for t in ev.tokens]
@@ -108,6 +108,18 @@ def test_seeded_draft_with_penalties_and_truncation_samples_the_targets_distribu
     assert 0.3 < acceptance < 0.98
     p = fit_pvalue(starts, exact_starts(SamplingParams(**PARAMS)))
     assert p > 1e-3, f"seeded: first {N_TOKENS} tokens not distributed as the target's (chi-square p = {p:.2g})"
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_a_logit_bias_keeps_speculation_exact_and_a_banned_token_never_comes(seeded, fixed_rng):
+    """Rejection sampling is exact for the biased target whatever q the draft reports; here
+    the draft's q carries the bias too (the one transform), which keeps acceptance up."""
+    bias = {0: -100.0, 6: 1.5}  # 0: the likeliest first token unbiased; 6: a boosted one
+    starts, acceptance = generate_starts(3, seeded=seeded, bias=bias)
+    assert 0.3 < acceptance < 0.98
+    assert all(0 not in s for s in starts)
+    p = fit_pvalue(starts, exact_starts(with_logit_bias(SamplingParams(**PARAMS), bias)))
+    assert p > 1e-3, f"biased: first {N_TOKENS} tokens not distributed as the biased target's (chi-square p = {p:.2g})"
 
 
 def test_the_exact_reference_is_a_distribution_over_starts():

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.speculation.sampling import SamplingParams, choose, penalize, probabilities, sample, target_view, window
+from homespec.speculation.sampling import (
+    SamplingParams,
+    choose,
+    penalize,
+    probabilities,
+    sample,
+    target_view,
+    token_logprobs,
+    window,
+    with_logit_bias,
+)
 
 
 def test_temperature_zero_is_argmax_point_mass():
@@ -106,3 +116,72 @@ def test_sample_never_draws_a_zero_probability_token():
 def test_out_of_range_parameters_are_refused_with_their_name(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+# -- logit_bias ------------------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_to_the_named_logits_before_the_penalties():
+    z = np.array([2.0, 1.0, 0.0], dtype=np.float32)
+    params = with_logit_bias(SamplingParams(repetition_penalty=2.0), {2: 3.0, 0: -1.0})
+    # token 0: (2 - 1) / 2 (seen, penalised after the bias); token 2: 0 + 3, not seen
+    assert penalize(z, params, [0]).tolist() == [0.5, 1.0, 3.0]
+    assert z.tolist() == [2.0, 1.0, 0.0]  # the model's row is not modified in place
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token():
+    logits = np.array([[0.0, 9.0, 8.5, 1.0]] * 3, dtype=np.float32)  # token 1 is the argmax
+    banned = with_logit_bias(SamplingParams(), {1: -100})
+    # target_view's fast path (argmax of the raw rows) must not be taken with a bias
+    assert target_view(logits, SamplingParams(), [0], [2, 2]).tolist() == [1, 1, 1]
+    assert target_view(logits, banned, [0], [2, 2]).tolist() == [2, 2, 2]
+    assert choose(logits[0], banned, [], np.random.default_rng(0)) == 2  # and the first token
+    assert choose(logits[0], with_logit_bias(SamplingParams(), {3: 100}), [], np.random.default_rng(0)) == 3
+
+
+def test_logit_bias_minus_100_bans_the_token_when_sampling():
+    z = np.array([0.0, 3.0, 2.0, 1.0])
+    p = probabilities(penalize(z, with_logit_bias(SamplingParams(temperature=1.0), {1: -100}), []), SamplingParams(temperature=1.0))
+    assert p[1] < 1e-40 and p.sum() == pytest.approx(1.0)
+
+
+def test_logit_bias_ids_beyond_a_shorter_draft_vocab_are_skipped():
+    z = np.zeros(4, dtype=np.float32)
+    assert penalize(z, with_logit_bias(SamplingParams(), {2: 1.0, 6: 5.0}), []).tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("bias", [{0: 100.5}, {0: -101}, {-1: 1.0}])
+def test_a_bias_beyond_100_or_a_negative_id_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        with_logit_bias(SamplingParams(), bias)
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    return z - np.log(np.exp(z - z.max()).sum()) - z.max()
+
+
+def test_token_logprobs_are_the_log_softmax_of_the_biased_rows_without_temperature_or_truncation():
+    rows = np.array([[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0]], dtype=np.float32)
+    bias = {0: 1.5}
+    plain = token_logprobs(rows, with_logit_bias(SamplingParams(), bias), [3], [1, 2], top=2)
+    hot = token_logprobs(rows, with_logit_bias(SamplingParams(temperature=0.3, top_k=1, top_p=0.5), bias), [3], [1, 2], top=2)
+    assert plain == hot  # temperature and truncation shape the draw, not the reported logprobs
+    want0 = _log_softmax(rows[0] + np.array([1.5, 0, 0, 0]))
+    assert plain[0].token == 1 and plain[0].logprob == pytest.approx(want0[1])
+    assert [t for t, _ in plain[0].top] == [0, 1]  # 2.5 then 2.0: likeliest first
+    assert plain[0].top[0][1] == pytest.approx(want0[0])
+    assert plain[1].logprob == pytest.approx(_log_softmax(rows[1] + np.array([1.5, 0, 0, 0]))[2])
+
+
+def test_token_logprobs_see_the_tokens_before_them_in_the_penalty_window():
+    rows = np.zeros((2, 3), dtype=np.float32)
+    params = SamplingParams(presence_penalty=1.0)
+    lps = token_logprobs(rows, params, [0], [1, 1], top=0)
+    # row 0 penalises token 0 (the context); row 1 also token 1 (emitted just before it)
+    assert lps[0].logprob == pytest.approx(_log_softmax(np.array([-1.0, 0, 0]))[1])
+    assert lps[1].logprob == pytest.approx(_log_softmax(np.array([-1.0, -1.0, 0]))[1])
+    assert lps[1].top == ()

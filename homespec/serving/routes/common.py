@@ -61,6 +61,8 @@ def validation_error(e: RequestValidationError) -> oa.ApiError:
         msg = "request body is missing or empty: send a JSON object"
     elif first.get("type") == "missing":
         msg = f"missing required field {param!r}"
+    elif first.get("type") == "extra_forbidden":
+        msg = f"unknown field {param!r}: not supported (homespec's own options go in the `homespec` object)"
     elif param:
         msg = f"{param}: {msg}"
     return oa.ApiError(400, msg, param=param)

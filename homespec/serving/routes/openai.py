@@ -36,6 +36,7 @@ from homespec.serving.routes.common import (
 )
 from homespec.serving.tool_calls import Call, CallStream, ToolFormat, call_grammar, parse_calls, tool_format
 from homespec.speculation.constraints import GrammarError, check_grammar, json_schema_grammar, lark_grammar
+from homespec.speculation.sampling import TokenLogprob
 
 Kind = Literal["chat", "completion"]
 
@@ -155,6 +156,8 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str
             frequency_penalty=body.frequency_penalty,
             # OpenAI's seed is a signed int64; numpy wants a non-negative one: map it 1:1.
             seed=None if body.seed is None else body.seed % 2**64,
+            logit_bias=body.token_bias(),
+            logprobs=body.logprobs_top(),
         )
     except UserError as e:
         raise oa.ApiError(400, str(e)) from None
@@ -188,23 +191,29 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
     rid = oa.new_id("chatcmpl" if kind == "chat" else "cmpl")
     model = model_id(daemon.cfg)
     meta = first.extra
+    lps = _Logprobs(kind) if job.request.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, tools)
-        return EventSourceResponse(events, sep="\n", ping=15)
+        events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, tools, lps)
+        return EventSourceResponse(events, sep="\n", ping=daemon.cfg.server.sse_ping_s)  # 0: no ": ping" lines
     text: list[str] = []
     while True:
         ev = await bridge.next(request, job)
         if ev.kind == "delta":
             text.append(ev.text)
+            if lps:
+                lps.add(ev)
         elif ev.kind == "error":
             raise job_error(ev)
         elif ev.kind == "done":
             extra = _extra(daemon, ev, meta)
             if kind == "completion":
-                return oa.completion_body(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
-            message, finish = _chat_message("".join(text), oa.openai_finish(ev.finish_reason), tools)
-            return oa.chat_body(rid, model, message, finish, ev.stats, extra)
+                out = oa.completion_body(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
+            else:
+                message, finish = _chat_message("".join(text), oa.openai_finish(ev.finish_reason), tools)
+                out = oa.chat_body(rid, model, message, finish, ev.stats, extra)
+            out["choices"][0]["logprobs"] = lps.body() if lps else None
+            return out
 
 
 def _chat_message(text: str, finish: str, tools: ToolUse | None) -> tuple[dict[str, Any], str]:
@@ -218,6 +227,35 @@ def _chat_message(text: str, finish: str, tools: ToolUse | None) -> tuple[dict[s
         fn = calls[0].openai()["function"]
         return {"role": "assistant", "content": content or None, "function_call": fn}, "function_call"
     return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
+
+
+class _Logprobs:
+    """A request's logprobs in OpenAI's shape (chat or completions): of the whole answer, as the
+    deltas bring them (add, body), or of one delta at a time (chunk)."""
+
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self.entries: list[TokenLogprob] = []
+        self.pieces: dict[int, bytes] = {}
+        self.offset = 0  # characters of the completion already streamed (text_offset)
+
+    def add(self, ev: JobEvent) -> None:
+        self.entries += ev.logprobs
+        self.pieces.update(ev.pieces)
+
+    def body(self) -> dict:
+        return self._shape(self.entries, self.pieces, 0)
+
+    def chunk(self, ev: JobEvent) -> dict:
+        out = self._shape(ev.logprobs, ev.pieces, self.offset)
+        if self.kind == "completion":
+            self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def _shape(self, entries: list[TokenLogprob], pieces: dict[int, bytes], offset: int) -> dict:
+        if self.kind == "chat":
+            return oa.chat_logprobs(entries, pieces)
+        return oa.completion_logprobs(entries, pieces, offset)
 
 
 async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
@@ -269,10 +307,13 @@ class _ChatDeltas:
 
 
 async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
-                  include_usage: bool, tools: ToolUse | None) -> AsyncIterator[dict]:
+                  include_usage: bool, tools: ToolUse | None, lps: _Logprobs | None = None) -> AsyncIterator[dict]:
     created = None
     deltas = _ChatDeltas(tools)
     if kind == "chat":
+        def empty() -> dict:
+            return oa.chat_chunk(rid, model, {}, None, created)
+
         def chunks(text: str) -> list[dict]:
             return [oa.chat_chunk(rid, model, d, None, created) for d in deltas.push(text)]
 
@@ -280,6 +321,9 @@ async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, ki
             held, reason = deltas.finish(reason)
             return [oa.chat_chunk(rid, model, d, None, created) for d in held] + [oa.chat_chunk(rid, model, {}, reason, created)]
     else:
+        def empty() -> dict:
+            return oa.completion_chunk(rid, model, "", None, created)
+
         def chunks(text: str) -> list[dict]:
             return [oa.completion_chunk(rid, model, text, None, created)] if text else []
 
@@ -297,8 +341,12 @@ async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, ki
                 log.warning("request %s: stream cut at the drain timeout (server.drain_timeout_s)", job.id)
                 yield {"data": json.dumps(shutting_down_error().body())}
                 break
-            if ev.kind == "delta" and ev.text:
-                for c in chunks(ev.text):
+            if ev.kind == "delta" and (ev.text or (lps and ev.logprobs)):
+                out = chunks(ev.text)
+                if lps and ev.logprobs:
+                    out = out or [empty()]  # text held back: its logprobs still go now
+                    out[0]["choices"][0]["logprobs"] = lps.chunk(ev)
+                for c in out:
                     yield {"data": json.dumps(c)}
             elif ev.kind == "error":
                 yield {"data": json.dumps(job_error(ev).body())}

@@ -160,7 +160,7 @@ class MTPProposer:
     ) -> tuple[int, np.ndarray | None]:
         """Head logits over V' [V'] -> (token id, q over the full vocabulary or None); position:
         the token's context index (a seeded request races q against its keys, sampling.draw)."""
-        if params.greedy and not params.has_penalties:
+        if params.greedy and not params.shifts_logits:
             i = int(np.argmax(z))  # the common case stays in V' (16k rows, not 152k)
             return int(self.vocab_ids[i]), None
         full = np.full(self.n_vocab, -np.inf, dtype=np.float32)  # [n_vocab]

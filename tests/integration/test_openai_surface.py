@@ -1,0 +1,97 @@
+"""The rest of the OpenAI request surface against the real daemon and models, with the official
+client: logit_bias, logprobs in both endpoints (streamed and not), refused fields by name."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.integration.server_fixtures import Served
+from tests.integration.test_server import COMPLETION_PROMPT, DAYS, FOX, PARIS, oai, wait_idle
+
+pytestmark = pytest.mark.integration
+
+OFF = {"homespec": {"speculation": "off"}}
+
+
+def token_id(s: Served, text: str) -> int:
+    """The one token `text` is (read while the worker is idle: tokenizing only reads the vocab)."""
+    wait_idle(s)
+    ids = s.daemon.session.models.target.tokenize(text, add_special=False, parse_special=False)  # type: ignore[union-attr]
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token(served: Served) -> None:
+    c = oai(served)
+    msgs = [{"role": "user", "content": PARIS}]
+    free = c.chat.completions.create(model=served.model, messages=msgs, max_tokens=2, logprobs=True, top_logprobs=3, extra_body=OFF)
+    first = free.choices[0].logprobs.content[0]
+    assert first.token == "Paris"
+    paris = token_id(served, "Paris")
+    for mode in ("off", "draft"):
+        banned = c.chat.completions.create(model=served.model, messages=msgs, max_tokens=4, logprobs=True, top_logprobs=3,
+                                           logit_bias={str(paris): -100}, extra_body={"homespec": {"speculation": mode}})
+        content = banned.choices[0].logprobs.content
+        assert all(t.token != "Paris" for t in content), (mode, banned.choices[0].message.content)
+        assert all(alt.token != "Paris" for alt in content[0].top_logprobs)  # -100 under the others
+        # Banning the argmax promotes the runner-up of the same row.
+        assert content[0].token == first.top_logprobs[1].token, (mode, content[0], first.top_logprobs)
+
+
+def test_chat_logprobs_parse_with_the_openai_client_streaming_and_not(served: Served) -> None:
+    c = oai(served)
+    msgs = [{"role": "user", "content": DAYS}]
+    whole = c.chat.completions.create(model=served.model, messages=msgs, max_tokens=12, logprobs=True, top_logprobs=3, extra_body=OFF)
+    content = whole.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    assert len(content) == whole.usage.completion_tokens  # no stop string, no EOS within 12 tokens
+    for t in content:
+        assert bytes(t.bytes).decode() == t.token and t.logprob <= 0
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the row's argmax
+        assert t.top_logprobs[0].logprob == t.logprob  # the same number, from the same row
+    chunks = list(c.chat.completions.create(model=served.model, messages=msgs, max_tokens=12, logprobs=True, top_logprobs=3,
+                                            stream=True, extra_body=OFF))
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    # Not bit-equal: a cached prompt is evaluated in other batches (DESIGN.md, "Exactness").
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=0.3)
+
+
+def test_completion_logprobs_parse_with_the_openai_client_streaming_and_not(served: Served) -> None:
+    c = oai(served)
+    whole = c.completions.create(model=served.model, prompt=COMPLETION_PROMPT, max_tokens=8, logprobs=2, extra_body=OFF)
+    lp = whole.choices[0].logprobs
+    assert "".join(lp.tokens) == whole.choices[0].text and len(lp.tokens) == whole.usage.completion_tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 2 and max(top.values()) == x for top, x in zip(lp.top_logprobs, lp.token_logprobs))
+    chunks = list(c.completions.create(model=served.model, prompt=COMPLETION_PROMPT, max_tokens=8, logprobs=2, stream=True,
+                                       extra_body=OFF))
+    parts = [ch.choices[0].logprobs for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == lp.tokens
+    assert sum((p.text_offset for p in parts), []) == lp.text_offset
+
+
+def test_logprobs_with_speculation_are_those_of_plain_decoding(served: Served) -> None:
+    """From the verified rows: the same tokens and, up to batch noise, the same numbers."""
+    c = oai(served)
+    msgs = [{"role": "user", "content": FOX}]  # copies the prompt: prompt lookup has drafts to verify
+    runs = {mode: c.chat.completions.create(model=served.model, messages=msgs, max_tokens=16, logprobs=True,
+                                            extra_body={"homespec": {"speculation": mode, "k": 4}})
+            for mode in ("off", "ngram", "draft")}
+    off = runs.pop("off").choices[0].logprobs.content
+    for mode, r in runs.items():
+        spec = r.choices[0].logprobs.content
+        assert [t.token for t in spec] == [t.token for t in off], mode
+        assert [t.logprob for t in spec] == pytest.approx([t.logprob for t in off], abs=0.3), mode
+        assert r.model_extra["homespec"]["proposed"] > 0, mode
+
+
+@pytest.mark.parametrize(
+    "field, value", [("n", 2), ("modalities", ["text", "audio"]), ("reasoning_effort", "high"), ("web_search_options", {})]
+)
+def test_a_refused_field_raises_bad_request_naming_it_in_the_openai_client(served: Served, field: str, value: object) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(served).chat.completions.create(model=served.model, messages=[{"role": "user", "content": PARIS}], max_tokens=2,
+                                            **{field: value})
+    assert e.value.body["param"] == field and field in e.value.body["message"]
