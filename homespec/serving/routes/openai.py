@@ -8,10 +8,8 @@ away cancels its job, which stops at the next step.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -23,15 +21,15 @@ from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.models.loader import ModelSet
 from homespec.serving import openai_api as oa
-from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
+from homespec.serving.daemon import Daemon, Job, JobEvent
 from homespec.serving.host import GenerationRequest, build_request
 from homespec.serving.routes.common import (
     Bridge,
     ClientGone,
     daemon_of,
-    drain_deadline_passed,
     job_error,
     shutting_down_error,
+    submit,
 )
 
 Kind = Literal["chat", "completion"]
@@ -107,17 +105,7 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None) -> Generatio
 
 async def run(request: Request, body: oa._Common, job: Job, kind: Kind) -> Any:
     """Queue the job and answer: one JSON body, or an event stream once the job has started."""
-    daemon = daemon_of(request)
-    bridge = Bridge()
-    job.sink = bridge.sink
-    try:
-        daemon.submit(job)
-    except QueueFull as e:
-        raise oa.ApiError(429, "too many requests waiting; retry later", type="rate_limit_error", code="queue_full",
-                          headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
-    except NotReady as e:
-        raise oa.ApiError(503, f"not ready: models are {e.state}", type="server_error", code="not_ready",
-                          headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+    bridge = submit(request, job)
     try:
         return await _answer(request, body, job, kind, bridge)
     except ClientGone:
@@ -152,12 +140,7 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
 
 async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
     """The next event, or None once SIGTERM's drain bound has passed."""
-    while not drain_deadline_passed(request):
-        try:
-            return await asyncio.wait_for(bridge.queue.get(), timeout=Bridge.CHECK_S)
-        except asyncio.TimeoutError:
-            continue
-    return None
+    return await bridge.next_or_cut(request)
 
 
 async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
