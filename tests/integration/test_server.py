@@ -278,7 +278,7 @@ BAD_INPUT = [
     ("n-two", "POST", "/v1/chat/completions", chat_body(PARIS, 4, n=2), 400, None, None),
     ("logprobs-true", "POST", "/v1/chat/completions", chat_body(PARIS, 4, logprobs=True), 400, None, None),
     ("tools", "POST", "/v1/chat/completions", chat_body(PARIS, 4, tools=[{"type": "function"}]), 400, None, None),
-    ("five-stop-strings", "POST", "/v1/chat/completions", chat_body(PARIS, 4, stop=["a", "b", "c", "d", "e"]), 400, None, "stop"),
+    ("sixty-five-stop-strings", "POST", "/v1/chat/completions", chat_body(PARIS, 4, stop=[f"s{i}" for i in range(65)]), 400, None, "stop"),
     ("unknown-speculation-mode", "POST", "/v1/chat/completions", chat_body(PARIS, 4, mode="warp"), 400, None, "homespec.speculation"),
     ("unavailable-speculation-mode", "POST", "/v1/chat/completions", chat_body(PARIS, 4, mode="mtp"), 400, None, "homespec.speculation"),
     ("k-out-of-range", "POST", "/v1/chat/completions",

@@ -54,8 +54,14 @@ async def chat(request: Request, body: oa.ChatRequest) -> Any:
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: oa.CompletionRequest) -> Any:
-    text = body.text()
-    return await _complete(request, body, "completion", lambda models: models.encode_text(text))
+    text, suffix = body.text(), body.suffix
+    if suffix is None:
+        return await _complete(request, body, "completion", lambda models: models.encode_text(text))
+    # Fill in the middle: the prompt is the code before the gap, the suffix the code after it.
+    # The prompt's budget leaves room for as many tokens as this answer may write.
+    n_predict = body.limit() or daemon_of(request).cfg.sampling.max_tokens
+    return await _complete(request, body, "completion",
+                           lambda models: models.encode_infill(text, suffix, n_predict=n_predict))
 
 
 async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Callable[[ModelSet], list[int]]) -> Any:
