@@ -13,3 +13,7 @@ class ModelError(UserError):
 
 class IncompatibleTokenizer(UserError):
     """A draft model whose tokenizer differs from the target's."""
+
+
+class NoFimTokens(UserError):
+    """Fill-in-the-middle asked of a model whose vocabulary has no FIM tokens."""

@@ -30,6 +30,7 @@ import llama_cpp
 import numpy as np
 
 from homespec.errors import ModelError
+from homespec.llama.fim import FimTokens
 from homespec.tokens import common_prefix
 
 log = logging.getLogger("homespec.llama.runtime")
@@ -428,6 +429,20 @@ class Runtime:
 
     def is_eog(self, token: int) -> bool:
         return token in self.eog_ids
+
+    def fim_tokens(self) -> FimTokens:
+        """The vocabulary's fill-in-the-middle tokens, as llama.cpp detected them when loading
+        (from the GGUF's tokenizer.ggml.fim_*_token_id keys, else by their text: <|fim_prefix|>,
+        <PRE>, ...); -1 (LLAMA_TOKEN_NULL) for each one the vocabulary lacks."""
+        v = self._vocab
+        return FimTokens(
+            pre=llama_cpp.llama_vocab_fim_pre(v),
+            suf=llama_cpp.llama_vocab_fim_suf(v),
+            mid=llama_cpp.llama_vocab_fim_mid(v),
+            pad=llama_cpp.llama_vocab_fim_pad(v),
+            rep=llama_cpp.llama_vocab_fim_rep(v),
+            sep=llama_cpp.llama_vocab_fim_sep(v),
+        )
 
     def grammar_tokenizer(self) -> Any:
         """This vocabulary as llguidance's tokenizer, for constrained decoding (built once:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from homespec.config import Config
+from homespec.llama.fim import Chunk, infill_prompt
 from homespec.llama.gguf_info import check_tokenizer_compat
 from homespec.llama.runtime import Runtime, RuntimeOptions
 from homespec.llama.template import ChatTemplate
@@ -57,7 +58,31 @@ class ModelSet:
         return self.target.tokenize_parts(parts, add_special=add_special)
 
     def encode_text(self, text: str) -> list[int]:
-        return self.target.tokenize(text, add_special=True, parse_special=False)
+        # A raw prompt is the client's own template: "<|im_start|>" or "<|fim_prefix|>" in it are
+        # the special tokens it means (llama.cpp's /completion parses them too); written as text,
+        # a model never sees its markers and FIM or a hand-made chat turn fails quietly.
+        return self.target.tokenize(text, add_special=True, parse_special=True)
+
+    def encode_infill(
+        self, prefix: str, suffix: str, *, extra: Sequence[Chunk] = (), prompt: str = "", n_predict: int
+    ) -> list[int]:
+        """A fill-in-the-middle prompt from the target's FIM tokens (llama/fim.py); NoFimTokens
+        when it has none. The file text is never parsed for special tokens; `prompt` (llama.cpp's
+        /infill field, the client's) is."""
+        t = self.target
+        return infill_prompt(
+            lambda text: t.tokenize(text, add_special=False, parse_special=False),
+            t.fim_tokens(),
+            prefix=prefix,
+            suffix=suffix,
+            extra=extra,
+            prompt=t.tokenize(prompt, add_special=False, parse_special=True) if prompt else [],
+            n_batch=t.opts.n_batch,
+            n_ctx=t.n_ctx,
+            n_predict=n_predict,
+            bos=t.bos_id if t.add_bos and t.bos_id >= 0 else None,
+            model=self.target_path.name,
+        )
 
     def load_draft(self, cfg: Config) -> None:
         """Open the configured draft beside the target (refused if its tokenizer differs)."""

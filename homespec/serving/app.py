@@ -3,7 +3,7 @@ the stats and admin endpoints the dashboard uses.
 
 `create_app(daemon)` is a factory; the app holds no globals. It keeps the daemon and the
 advertised address on `app.state`, adds the middleware, maps every error to an OpenAI-style JSON
-body, and includes the routers of `homespec.serving.routes` (health, openai, admin), whose
+body, and includes the routers of `homespec.serving.routes` (health, openai, admin, infill), whose
 handlers read what they need from `request.app.state`.
 """
 
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon
 from homespec.serving.middleware import ApiKeyAuth, BodyLimit, JsonOnly, SameOrigin, TrustedHost, trusted_hosts
-from homespec.serving.routes import admin, health, openai
+from homespec.serving.routes import admin, health, infill, openai
 from homespec.serving.routes.common import error_response, validation_error
 
 log = logging.getLogger("homespec.serving.app")
@@ -54,6 +54,7 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(admin.router)
+    app.include_router(infill.router)  # llama.cpp's /infill, for editor plugins
     return app
 
 

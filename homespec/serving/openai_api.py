@@ -157,8 +157,11 @@ class _Common(BaseModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        # OpenAI allows 4; code assistants (Continue, llama.vscode) send 5-15 to end a completion
+        # at a block boundary or a FIM marker. 64 is ample for them and keeps the per-token
+        # stop-string scan (textstream.py) cheap.
+        if len(stops) > 64:
+            raise ValueError("at most 64 stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
@@ -335,6 +338,8 @@ class ChatRequest(_ChatFields):
 class CompletionRequest(_CompletionFields):
     prompt: str | list[str]
     echo: bool = False
+    # The text after the gap: the prompt is then the prefix, and the answer is the middle that
+    # joins them (fill-in-the-middle with the model's FIM tokens; "" = the end of the file).
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -350,8 +355,6 @@ class CompletionRequest(_CompletionFields):
             raise ValueError("prompt must be one string (batched prompts are not supported)")
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         return self
 
     def text(self) -> str:

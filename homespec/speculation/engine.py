@@ -168,6 +168,7 @@ class GenerationStats(StepTally):
     ttft_s: float = 0.0  # time to first token (prefill + first sample)
     total_s: float = 0.0
     finish_reason: str | None = None
+    stop_word: str | None = None  # the stop string that ended the answer (finish "stop"), if one did
 
     @property
     def decode_tps(self) -> float | None:
@@ -349,6 +350,7 @@ class _Emitter:
                 self.pending.append((start, self.text.decoded, lps[i]))
             if self.text.stopped:
                 ev.finish_reason = "stop"
+                self.st.stop_word = self.text.stop_matched
                 break
             if self.st.completion_tokens >= self.max_tokens:
                 ev.finish_reason = "length"

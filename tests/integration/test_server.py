@@ -283,7 +283,7 @@ BAD_INPUT = [
      chat_body(PARIS, 4, logit_bias={"999999": 5}), 400, "invalid_request", None),
     ("completion-best-of-two", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "best_of": 2}, 400, None, "best_of"),
     ("tools", "POST", "/v1/chat/completions", chat_body(PARIS, 4, tools=[{"type": "function"}]), 400, None, None),
-    ("five-stop-strings", "POST", "/v1/chat/completions", chat_body(PARIS, 4, stop=["a", "b", "c", "d", "e"]), 400, None, "stop"),
+    ("sixty-five-stop-strings", "POST", "/v1/chat/completions", chat_body(PARIS, 4, stop=[f"s{i}" for i in range(65)]), 400, None, "stop"),
     ("unknown-speculation-mode", "POST", "/v1/chat/completions", chat_body(PARIS, 4, mode="warp"), 400, None, "homespec.speculation"),
     ("unavailable-speculation-mode", "POST", "/v1/chat/completions", chat_body(PARIS, 4, mode="mtp"), 400, None, "homespec.speculation"),
     ("k-out-of-range", "POST", "/v1/chat/completions",

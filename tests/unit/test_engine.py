@@ -106,9 +106,9 @@ def test_stop_string_spanning_steps_is_never_emitted():
     stop = ref_text[20:23]  # three characters from the middle of the plain output
     first = ref_text.index(stop)
     for policy in (FixedPolicy(), ("draft", 4)):
-        _, text, events, _ = run(make_engine(draft_seed=0), policy=policy, max_tokens=60, stop=[stop])
+        _, text, events, st = run(make_engine(draft_seed=0), policy=policy, max_tokens=60, stop=["never", stop])
         assert text == ref_text[:first]
-        assert events[-1].finish_reason == "stop"
+        assert events[-1].finish_reason == "stop" and st.stop_word == stop  # which one (llama.cpp's stopping_word)
 
 
 class VisibleEos(FakeRuntime):
@@ -130,7 +130,7 @@ def test_eos_ends_generation_without_emitting_its_text(k):
     events = list(eng.generate(PROMPT, policy=policy, stats=st, max_tokens=200))
     out = [t for e in events for t in e.tokens]
     text = "".join(e.text for e in events)
-    assert events[-1].finish_reason == st.finish_reason == "stop"
+    assert events[-1].finish_reason == st.finish_reason == "stop" and st.stop_word is None
     assert out[-1] == EOS and EOS not in out[:-1] and len(out) == 41 == st.completion_tokens
     assert text == "".join(target.piece(t).decode() for t in out[:-1])  # no "<eos>", nothing after
     assert target.tokens == PROMPT + out[:-1]  # the cache holds neither EOS nor drafted tokens past it

@@ -4,6 +4,7 @@ responses, and the bridge that carries a job's events from the worker thread to 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 from fastapi import Request
@@ -11,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from homespec.serving import openai_api as oa
-from homespec.serving.daemon import Daemon, Job, JobEvent
+from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 
 
 def daemon_of(request: Request) -> Daemon:
@@ -68,6 +69,22 @@ def validation_error(e: RequestValidationError) -> oa.ApiError:
     return oa.ApiError(400, msg, param=param)
 
 
+def submit(request: Request, job: Job) -> Bridge:
+    """Queue the job; its events arrive on the returned bridge. A full queue is a 429 and models
+    that are not loaded a 503, both with the Retry-After the daemon estimates."""
+    bridge = Bridge()
+    job.sink = bridge.sink
+    try:
+        daemon_of(request).submit(job)
+    except QueueFull as e:
+        raise oa.ApiError(429, "too many requests waiting; retry later", type="rate_limit_error", code="queue_full",
+                          headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+    except NotReady as e:
+        raise oa.ApiError(503, f"not ready: models are {e.state}", type="server_error", code="not_ready",
+                          headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+    return bridge
+
+
 class Bridge:
     """Worker-thread events -> an asyncio queue in the request's loop."""
 
@@ -102,3 +119,13 @@ class Bridge:
                 return await asyncio.wait_for(self.queue.get(), timeout=self.CHECK_S)
             except asyncio.TimeoutError:
                 continue
+
+    async def next_or_cut(self, request: Request) -> JobEvent | None:
+        """The next event, or None once SIGTERM's drain bound has passed (for a stream, whose
+        client disconnect the response itself notices)."""
+        while not drain_deadline_passed(request):
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=self.CHECK_S)
+            except asyncio.TimeoutError:
+                continue
+        return None

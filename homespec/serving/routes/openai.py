@@ -8,10 +8,8 @@ away cancels its job, which stops at the next step.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,15 +22,15 @@ from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.models.loader import ModelSet
 from homespec.serving import openai_api as oa
-from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
+from homespec.serving.daemon import Daemon, Job, JobEvent
 from homespec.serving.host import GenerationRequest, build_request
 from homespec.serving.routes.common import (
     Bridge,
     ClientGone,
     daemon_of,
-    drain_deadline_passed,
     job_error,
     shutting_down_error,
+    submit,
 )
 from homespec.serving.tool_calls import Call, CallStream, ToolFormat, call_grammar, parse_calls, tool_format
 from homespec.speculation.constraints import GrammarError, check_grammar, json_schema_grammar, lark_grammar
@@ -109,8 +107,14 @@ def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: oa.CompletionRequest) -> Any:
-    text = body.text()
-    return await _complete(request, body, "completion", lambda models: models.encode_text(text))
+    text, suffix = body.text(), body.suffix
+    if suffix is None:
+        return await _complete(request, body, "completion", lambda models: models.encode_text(text))
+    # Fill in the middle: the prompt is the code before the gap, the suffix the code after it.
+    # The prompt's budget leaves room for as many tokens as this answer may write.
+    n_predict = body.limit() or daemon_of(request).cfg.sampling.max_tokens
+    return await _complete(request, body, "completion",
+                           lambda models: models.encode_infill(text, suffix, n_predict=n_predict))
 
 
 async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Callable[[ModelSet], list[int]],
@@ -165,17 +169,7 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str
 
 async def run(request: Request, body: oa._Common, job: Job, kind: Kind, tools: ToolUse | None = None) -> Any:
     """Queue the job and answer: one JSON body, or an event stream once the job has started."""
-    daemon = daemon_of(request)
-    bridge = Bridge()
-    job.sink = bridge.sink
-    try:
-        daemon.submit(job)
-    except QueueFull as e:
-        raise oa.ApiError(429, "too many requests waiting; retry later", type="rate_limit_error", code="queue_full",
-                          headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
-    except NotReady as e:
-        raise oa.ApiError(503, f"not ready: models are {e.state}", type="server_error", code="not_ready",
-                          headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
+    bridge = submit(request, job)
     try:
         return await _answer(request, body, job, kind, bridge, tools)
     except ClientGone:
@@ -260,12 +254,7 @@ class _Logprobs:
 
 async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
     """The next event, or None once SIGTERM's drain bound has passed."""
-    while not drain_deadline_passed(request):
-        try:
-            return await asyncio.wait_for(bridge.queue.get(), timeout=Bridge.CHECK_S)
-        except asyncio.TimeoutError:
-            continue
-    return None
+    return await bridge.next_or_cut(request)
 
 
 class _ChatDeltas:
