@@ -90,6 +90,7 @@ def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice
     tools: name -> parameters JSON schema; choice: "auto" | "required" | "none" | a tool name.
     """
     names = list(tools) if choice in ("auto", "required", "none") else [choice]
+    parallel = parallel and choice in ("auto", "required")  # a named function: one call of it
     rules = [
         "%llguidance {}",
         f"TEXT: {ANY_TEXT}",
@@ -115,9 +116,11 @@ def _object_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
 # -- parsing the model's text --------------------------------------------------------------------
 
 
-def parse_calls(fmt: ToolFormat, text: str, known: Sequence[str]) -> tuple[str, list[Call]] | None:
+def parse_calls(fmt: ToolFormat, text: str, known: Sequence[str], truncated: bool = False) -> tuple[str, list[Call]] | None:
     """(content before the calls, calls), or None when the text holds no well-formed call of a
-    known tool (then the caller returns it as text: a malformed call is never an error)."""
+    known tool (then the caller returns it as text: a malformed call is never an error).
+    truncated: the answer hit max_tokens, so a last call still open is cut off, not malformed:
+    the complete calls before it are returned."""
     found = _first_marker(fmt, text)
     if found is None:
         return None
@@ -130,7 +133,7 @@ def parse_calls(fmt: ToolFormat, text: str, known: Sequence[str]) -> tuple[str, 
             return None
         end = rest.find(pair[1], len(pair[0]))
         if end < 0:
-            return None
+            return (content.strip(), calls) if truncated and calls else None
         call = _parse_body(rest[len(pair[0]) : end], known)
         if call is None:
             return None
@@ -213,8 +216,12 @@ class CallStream:
         """The marker of the call being read (its text was taken off the buffer)."""
         return next(o for o, c in self.fmt.markers if c == self.close)
 
-    def finish(self) -> str:
+    def finish(self, truncated: bool = False) -> str:
+        """What was held back. truncated (max_tokens): a call cut off after complete ones is
+        dropped, as parse_calls drops it."""
         rest = (self._opened() if self.close is not None else "") + self.buf
+        if truncated and self.close is not None and self.calls:
+            rest = ""
         self.buf, self.close = "", None
         return rest
 

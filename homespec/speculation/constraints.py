@@ -100,7 +100,9 @@ class Grammar:
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens that are the grammar's only continuation from here."""
-        if limit <= 0 or self._m.is_stopped():
+        # Where the grammar could end, nothing is forced: llguidance's forced bytes do not
+        # count end-of-generation as a way on (after a tool call: "\n" for another, or the end).
+        if limit <= 0 or self._m.is_stopped() or self._m.is_accepting():
             return []
         return list(self._m.compute_ff_tokens()[: min(limit, self.max_forced)])
 

@@ -160,3 +160,13 @@ def test_a_complete_grammar_ends_with_the_models_end_token_under_speculation():
     rows = g.masks([63, 5])  # the end token, then a token past the end: never read
     assert rows[0].tolist() == [t == 63 for t in range(64)]
     g.commit([63])  # no error
+
+
+def test_nothing_is_forced_where_the_grammar_could_end():
+    """After "ab" the grammar may end or take "c": llguidance's forced bytes say "c", but the
+    end token is a way on too, so "c" is no free draft."""
+    g = grammar_for(FakeRuntime(seed=0, vocab=64, eos=63), lark_grammar('root ::= "ab" "c"?'))
+    assert g.forced(5) == [0, 1]
+    g.commit([0, 1])
+    assert g.forced(5) == []
+    assert g.allowed()[2] and g.allowed()[63]

@@ -94,3 +94,13 @@ def test_history_calls_carry_arguments_as_objects_for_the_template():
     assert call["function"]["arguments"] == {"a": 1}
     with pytest.raises(ValueError):
         template_tool_calls([{"function": {"name": "f", "arguments": "{oops"}}])
+
+
+def test_a_call_cut_off_by_max_tokens_drops_only_that_call():
+    cut = CALL + "\n" + CALL[:30]
+    assert parse_calls(HERMES, cut, KNOWN) is None  # not a well-formed answer
+    content, calls = parse_calls(HERMES, cut, KNOWN, truncated=True)
+    assert [c.name for c in calls] == ["get_weather"]
+    s = CallStream(HERMES, KNOWN)
+    _, done = s.push(cut)
+    assert [c.name for c in done] == ["get_weather"] and s.finish(truncated=True) == ""

@@ -213,10 +213,12 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
 def _chat_message(text: str, finish: str, tools: ToolUse | None) -> tuple[dict[str, Any], str]:
     """The assistant message and finish_reason: the model's calls, when it made any well-formed
     ones, as tool_calls (or the legacy function_call); otherwise its text."""
-    parsed = parse_calls(tools.fmt, text, tools.names) if tools is not None else None
+    parsed = parse_calls(tools.fmt, text, tools.names, truncated=finish == "length") if tools is not None else None
     if parsed is None or not parsed[1]:
         return {"role": "assistant", "content": text}, finish
     content, calls = parsed
+    if finish == "length":  # complete calls before a cut-off one: sent, and said to be cut
+        return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, finish
     if tools is not None and tools.legacy:
         fn = calls[0].openai()["function"]
         return {"role": "assistant", "content": content or None, "function_call": fn}, "function_call"
@@ -277,9 +279,9 @@ class _ChatDeltas:
         """Held-back text, and the finish_reason (tool_calls once a call was sent)."""
         if self.calls is None:
             return [], reason
-        rest = self.calls.finish()
+        rest = self.calls.finish(truncated=reason == "length")
         deltas = [{"content": rest}] if rest else []
-        if self.n_calls:
+        if self.n_calls and reason != "length":
             reason = "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
         return deltas, reason
 
