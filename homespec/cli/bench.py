@@ -9,11 +9,13 @@ from pathlib import Path
 
 from homespec.cli.common import add_config_argument, config_path, positive_int
 
+WORKLOADS = ("code", "edit", "chat", "json", "fim")  # serving/bench.py's, without importing it at parse time
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_argument(p)
     p.add_argument("--quick", action="store_true", help="one prompt per workload, short outputs (< 3 min)")
-    p.add_argument("--workload", action="append", choices=("code", "edit", "chat"), help="repeatable; default: all")
+    p.add_argument("--workload", action="append", choices=WORKLOADS, help="repeatable; default: all")
     p.add_argument("--arms", default=None, help="e.g. 'off,reference,draft:2,ngram:4,auto' (default: all)")
     p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per run (default 128, quick 48)")
     p.add_argument("--prompts", type=positive_int, default=None, help="prompts per workload (default 3, quick 1)")
@@ -32,7 +34,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(config_path(args.config))
     max_tokens = args.max_tokens or (48 if args.quick else 128)
     prompts = args.prompts or (1 if args.quick else 3)
-    workloads = load_workloads(args.workload or ("code", "edit", "chat"))
+    workloads = load_workloads(args.workload or WORKLOADS)
     with Host.open(cfg) as session:
         names = session.proposers
         arms = parse_arms(args.arms) if args.arms else default_arms(names, reference=not args.no_reference)
@@ -91,6 +93,15 @@ def format_report(report) -> str:  # report: bench.BenchReport
             )
         plain = next((r for r in rows if r.arm == "off"), None)
         ref = next((r for r in rows if r.arm == "llama.cpp"), None)
+        auto = next((r for r in rows if r.arm == "auto"), None)
+        jump = next((r for r in rows if r.arm == "jump-forward"), None)
+        if jump is not None and jump.tokens:
+            in_auto = (f"; in auto {auto.forced_tokens / auto.tokens:.0%} of its output (auto {_f(auto.speedup, '.2f')}x)"
+                       if auto is not None and auto.tokens else "")
+            lines.append(
+                f"jump-forward: {jump.forced_tokens / jump.tokens:.0%} of the output came as the grammar's forced tokens "
+                f"(speedup {_f(jump.speedup, '.2f')}x alone){in_auto}"
+            )
         if plain and ref and ref.e2e_tok_s:
             lines.append(
                 f"our loop with speculation off vs llama-cpp-python create_completion (end to end): "

@@ -16,36 +16,68 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from typing import Any
 
 import numpy as np
 import psutil
 import yaml
 
+from homespec.models.loader import ModelSet
 from homespec.serving.host import Host
+from homespec.serving.tool_calls import call_grammar, tool_format
+from homespec.speculation.constraints import Grammar, json_schema_grammar
 from homespec.speculation.controller import Controller
 from homespec.speculation.costs import expected_emitted
-from homespec.speculation.engine import OFF, Decision, FixedPolicy, GenerationStats, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.engine import FORCED, OFF, Decision, FixedPolicy, GenerationStats, SpeculationPolicy, StepStats, StepTally
 from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.sampling import SamplingParams
 
-WORKLOADS = ("code", "edit", "chat")
+WORKLOADS = ("code", "edit", "chat", "json", "fim")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """A chat (messages, optionally with tools or a JSON schema) or a fill-in-the-middle."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    fim: tuple[str, str] | None = None  # (prefix, suffix) around the cursor
+    tools: list[dict[str, Any]] | None = None  # OpenAI function definitions
+    tool_choice: str = "auto"
+    schema: dict[str, Any] | None = None  # the answer's JSON schema
+
+    def encode(self, models: ModelSet) -> list[int]:
+        if self.fim is not None:
+            return models.encode_infill(*self.fim, n_predict=128)
+        defs = [{"type": "function", "function": t} for t in self.tools] if self.tools else None
+        return models.encode_chat(self.messages, tools=defs)
+
+    def grammar(self, models: ModelSet) -> str | None:
+        if self.schema is not None:
+            return json_schema_grammar(self.schema)
+        fmt = tool_format(models.template.source) if self.tools else None
+        if self.tools and fmt is not None:
+            return call_grammar(fmt, {t["name"]: t.get("parameters") or {} for t in self.tools}, self.tool_choice, True)
+        return None
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
     description: str
-    prompts: list[list[dict[str, str]]]  # each a list of chat messages
+    prompts: list[BenchPrompt]
 
 
 def load_workloads(names: Sequence[str] = WORKLOADS) -> list[Workload]:
     out = []
     for name in names:
         raw = yaml.safe_load(resources.files("homespec.bench_prompts").joinpath(f"{name}.yaml").read_text())
-        prompts = [
-            ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + [{"role": "user", "content": p["user"]}]
-            for p in raw["prompts"]
-        ]
+        prompts = []
+        for p in raw["prompts"]:
+            if "prefix" in p:
+                prompts.append(BenchPrompt(fim=(p["prefix"], p["suffix"])))
+                continue
+            messages = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + [{"role": "user", "content": p["user"]}]
+            prompts.append(BenchPrompt(messages, tools=p.get("tools"), tool_choice=p.get("tool_choice", "auto"), schema=p.get("schema")))
         out.append(Workload(raw["name"], raw["description"], prompts))
     return out
 
@@ -55,10 +87,16 @@ class Arm:
     name: str
     mode: str  # a Mode (off, auto, a proposer) or "reference" (llama-cpp-python's own loop)
     k: int = 0
+    # Under a grammar, take its forced tokens as free drafts. Off for the baseline (plain
+    # decoding, one token a pass) so that "jump-forward" (off with them) shows what they add.
+    jump_forward: bool = True
+
+
+JUMP_FORWARD = Arm("jump-forward", "off", 0, True)  # only on workloads with a grammar
 
 
 def default_arms(proposers: Sequence[str], reference: bool = True) -> list[Arm]:
-    arms = [Arm("off", "off")]
+    arms = [Arm("off", "off", jump_forward=False), JUMP_FORWARD]
     if reference:
         arms.append(Arm("llama.cpp", "reference"))
     if "draft" in proposers:
@@ -76,8 +114,11 @@ def parse_arms(spec: str) -> list[Arm]:
     for item in filter(None, (s.strip() for s in spec.split(","))):
         mode, _, k = item.partition(":")
         mode = {"llama.cpp": "reference"}.get(mode, mode)
+        if mode == "jump-forward":
+            arms.append(JUMP_FORWARD)
+            continue
         name = {"off": "off", "reference": "llama.cpp", "auto": "auto"}.get(mode, f"{mode} k={k}")
-        arms.append(Arm(name, mode, int(k) if k else 0))
+        arms.append(Arm(name, mode, int(k) if k else 0, jump_forward=mode != "off"))
     return arms
 
 
@@ -106,6 +147,7 @@ class ArmResult:
     ttft_s: list[float] = field(default_factory=list)
     rss_mib: float = 0.0
     same_as_plain: int = 0
+    forced_tokens: int = 0  # output tokens that came as a grammar's forced drafts
     tally: StepTally = field(default_factory=StepTally)
     expected_gain: float | None = None
     # Filled in by finish():
@@ -128,6 +170,7 @@ class ArmResult:
         self.same_as_plain += plain_text is not None and run.text == plain_text
         for s in run.steps:
             self.tally.add(s)
+            self.forced_tokens += s.accepted if s.proposer == FORCED else 0
 
     def finish(self, plain_tok_s: float | None) -> None:
         t = self.tally
@@ -218,14 +261,15 @@ def run_bench(
         by_arm = {a.name: ArmResult(a.name, wl.name) for a in arms}
         prefill_tokens, prefill_s = 0, 0.0
         prompts = wl.prompts[:prompts_per_workload]
-        for n, (i, messages) in enumerate((i, m) for _ in range(rounds) for i, m in enumerate(prompts)):
-            tokens = models.encode_chat(messages)
+        for n, (i, prompt) in enumerate((i, p) for _ in range(rounds) for i, p in enumerate(prompts)):
+            tokens = prompt.encode(models)
+            grammar = prompt.grammar(models)
             models.target.reset()
             t0 = time.perf_counter()
             models.target.sync(tokens)  # prime: every arm starts with the prompt cached
             prefill_s += time.perf_counter() - t0
             prefill_tokens += len(tokens)
-            if reference is not None:
+            if reference is not None and grammar is None:
                 # Prime its cache alike. Two tokens, not one: with exactly the prompt cached,
                 # llama-cpp-python samples the first token from saved logits without a pass,
                 # which would hand it one pass for free against every other arm.
@@ -234,13 +278,16 @@ def run_bench(
             # one prompt's arms (minutes) then favours no arm for being first or last.
             runs: dict[str, Run] = {}
             for arm in arms if n % 2 == 0 else arms[::-1]:
-                run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference)
+                # llama-cpp-python's loop takes no grammar; jump-forward is off without one.
+                if (arm.mode == "reference" and grammar is not None) or (arm == JUMP_FORWARD and grammar is None):
+                    continue
+                run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference, grammar)
                 run.rss_mib = proc.memory_info().rss / 2**20
                 progress(f"{wl.name} #{i + 1} {arm.name:12s} {run.tokens:4d} tok {run.seconds:6.2f} s")
-            plain_text = next((runs[a.name].text for a in arms if a.mode == "off"), None)
-            for arm in arms:
+            plain_text = runs[OFF].text if OFF in runs else None  # the baseline arm, by name
+            for arm in (a for a in arms if a.name in runs):
                 run, r = runs[arm.name], by_arm[arm.name]
-                r.add(run, plain_text if arm.mode != "off" else None)
+                r.add(run, plain_text if arm.name != OFF else None)
                 if run.expected_gain is not None:
                     r.expected_gain = run.expected_gain if r.expected_gain is None else (r.expected_gain * (r.runs - 1) + run.expected_gain) / r.runs
         prefill[wl.name] = prefill_tokens / prefill_s if prefill_s else 0.0
@@ -252,7 +299,7 @@ def run_bench(
             if r.expected_gain is None:
                 arm = next(a for a in arms if a.name == r.arm)
                 r.expected_gain = predicted_gain(session.controller, arm.mode, arm.k, r.tally.position_acceptance)
-        results.extend(by_arm.values())
+        results.extend(r for r in by_arm.values() if r.runs)
     return BenchReport(
         machine={"cpu_threads": models.target.n_threads, "cpus": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)},
         config={"target": models.target_name, "draft": models.draft_name, "max_tokens": max_tokens, "n_ctx": models.target.n_ctx},
@@ -262,7 +309,8 @@ def run_bench(
     )
 
 
-def _run_arm(session: Host, arm: Arm, tokens: list[int], params: SamplingParams, max_tokens: int, reference) -> Run:
+def _run_arm(session: Host, arm: Arm, tokens: list[int], params: SamplingParams, max_tokens: int, reference,
+             grammar: str | None = None) -> Run:
     models = session.models
     if arm.mode == "reference":
         text, n, seconds = reference.complete(tokens, max_tokens)
@@ -279,7 +327,9 @@ def _run_arm(session: Host, arm: Arm, tokens: list[int], params: SamplingParams,
         proposer = session.controller.proposer(arm.mode) if arm.mode != OFF and arm.k > 0 else None
         policy = _Recorder(proposer, arm.k, steps)
     st = GenerationStats()
+    target = models.target
+    g = Grammar(grammar, target.grammar_tokenizer(), target.n_vocab, max_forced=16 if arm.jump_forward else 0) if grammar else None
     t0 = time.perf_counter()
-    text = "".join(ev.text for ev in session.engine.generate(tokens, params, max_tokens, (), policy, st))
+    text = "".join(ev.text for ev in session.engine.generate(tokens, params, max_tokens, (), policy, st, g))
     seconds = time.perf_counter() - t0
     return Run(st.completion_tokens, seconds, st.ttft_s, text, steps, expected_gain=float(np.mean(expected)) if expected else None)
