@@ -14,6 +14,9 @@ declared functions with arguments valid for its parameters schema (llguidance, J
 - none: free text without the call marker.
 The grammar's forced tokens (the marker's newline, `{"name": "`, the name when only one tool
 fits, `", "arguments": {"` and the schema's keys) are the jump-forward drafts of the engine.
+
+The answer goes back in OpenAI's shape: `message.tool_calls` (or the legacy `function_call`)
+with finish_reason "tool_calls", or streamed as `delta.tool_calls` pieces (ChatDeltas).
 """
 
 from __future__ import annotations
@@ -232,6 +235,71 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+# -- OpenAI's shape of the answer ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How this request's answer may call tools."""
+
+    fmt: ToolFormat
+    names: list[str]  # the tools a call may name; empty under tool_choice "none"
+    legacy: bool  # answered as `function_call` (the deprecated `functions` API)
+
+
+def chat_message(text: str, finish: str, tools: ToolUse | None) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish_reason: the model's calls, when it made any well-formed
+    ones, as tool_calls (or the legacy function_call); otherwise its text."""
+    parsed = parse_calls(tools.fmt, text, tools.names, truncated=finish == "length") if tools is not None else None
+    if parsed is None or not parsed[1]:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parsed
+    if finish == "length":  # complete calls before a cut-off one: sent, and said to be cut
+        return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, finish
+    if tools is not None and tools.legacy:
+        fn = calls[0].openai()["function"]
+        return {"role": "assistant", "content": content or None, "function_call": fn}, "function_call"
+    return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
+
+
+class ChatDeltas:
+    """Streamed text -> chat deltas: content as it comes; with tools, each call once it closes,
+    as OpenAI streams them (id, type and name first, then the arguments) so that clients'
+    stream helpers reassemble them."""
+
+    def __init__(self, tools: ToolUse | None) -> None:
+        self.tools = tools
+        self.calls = CallStream(tools.fmt, tools.names) if tools is not None else None
+        self.n_calls = 0
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        if self.calls is None:
+            return [{"content": text}] if text else []
+        content, calls = self.calls.push(text)
+        return ([{"content": content}] if content else []) + [d for c in calls for d in self._call(c)]
+
+    def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
+        """Held-back text, and the finish_reason (tool_calls once a call was sent)."""
+        if self.calls is None:
+            return [], reason
+        rest = self.calls.finish(truncated=reason == "length")
+        deltas = [{"content": rest}] if rest else []
+        if self.n_calls and reason != "length":
+            reason = "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
+        return deltas, reason
+
+    def _call(self, call: Call) -> list[dict[str, Any]]:
+        if self.tools is not None and self.tools.legacy:
+            if self.n_calls:  # the legacy API has one call per answer
+                return []
+            self.n_calls += 1
+            return [{"function_call": {"name": call.name, "arguments": ""}}, {"function_call": {"arguments": call.arguments}}]
+        i = self.n_calls
+        self.n_calls += 1
+        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+        return [{"tool_calls": [head]}, {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}]
 
 
 # -- history: OpenAI's messages as chat templates expect them ------------------------------------

@@ -8,7 +8,17 @@ import json
 import pytest
 
 from homespec.llama.template import CHATML
-from homespec.serving.tool_calls import HERMES, CallStream, call_grammar, parse_calls, template_tool_calls, tool_format
+from homespec.serving.tool_calls import (
+    HERMES,
+    CallStream,
+    ChatDeltas,
+    ToolUse,
+    call_grammar,
+    chat_message,
+    parse_calls,
+    template_tool_calls,
+    tool_format,
+)
 from homespec.speculation.constraints import check_grammar
 
 QWEN_LIKE = "{%- if tools %}{{ tools | tojson }} <tool_call>\n{\"name\": ...}\n</tool_call>{%- endif %}" + CHATML
@@ -104,3 +114,25 @@ def test_a_call_cut_off_by_max_tokens_drops_only_that_call():
     s = CallStream(HERMES, KNOWN)
     _, done = s.push(cut)
     assert [c.name for c in done] == ["get_weather"] and s.finish(truncated=True) == ""
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_calls_stream_as_openai_deltas_and_the_finish_reason_says_so(legacy):
+    deltas = ChatDeltas(ToolUse(HERMES, KNOWN, legacy))
+    out = deltas.push("Sure. " + CALL[:17]) + deltas.push(CALL[17:] + "\n" + CALL)
+    held, reason = deltas.finish("stop")
+    assert out[0] == {"content": "Sure. "} and held == []
+    if legacy:  # one call, as function_call pieces
+        assert reason == "function_call"
+        assert [d["function_call"].get("name") for d in out[1:]] == ["get_weather", None]
+    else:  # each call: its id and name first, then its arguments, under its own index
+        assert reason == "tool_calls"
+        assert [d["tool_calls"][0]["index"] for d in out[1:]] == [0, 0, 1, 1]
+        assert json.loads(out[2]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    message, finish = chat_message("Sure. " + CALL, "stop", ToolUse(HERMES, KNOWN, legacy))
+    assert finish == ("function_call" if legacy else "tool_calls") and message["content"] == "Sure."
+
+
+def test_under_tool_choice_none_a_call_shaped_answer_is_text():
+    message, finish = chat_message(CALL, "stop", ToolUse(HERMES, [], False))
+    assert finish == "stop" and message == {"role": "assistant", "content": CALL}

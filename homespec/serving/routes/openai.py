@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -32,7 +31,7 @@ from homespec.serving.routes.common import (
     shutting_down_error,
     submit,
 )
-from homespec.serving.tool_calls import Call, CallStream, ToolFormat, call_grammar, parse_calls, tool_format
+from homespec.serving.tool_calls import ChatDeltas, ToolUse, call_grammar, chat_message, tool_format
 from homespec.speculation.constraints import GrammarError, check_grammar, json_schema_grammar, lark_grammar
 from homespec.speculation.sampling import TokenLogprob
 
@@ -58,15 +57,6 @@ async def chat(request: Request, body: oa.ChatRequest) -> Any:
     defs = [f.template() for f in body.tool_defs()] or None
     return await _complete(request, body, "chat", lambda models: models.encode_chat(messages, tools=defs),
                            grammar=_chat_grammar(body, tools), tools=tools)
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    """How this request's answer may call tools."""
-
-    fmt: ToolFormat
-    names: list[str]  # the tools a call may name; empty under tool_choice "none"
-    legacy: bool  # answered as `function_call` (the deprecated `functions` API)
 
 
 def _tool_use(daemon: Daemon, body: oa.ChatRequest) -> ToolUse | None:
@@ -204,25 +194,10 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
             if kind == "completion":
                 out = oa.completion_body(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
             else:
-                message, finish = _chat_message("".join(text), oa.openai_finish(ev.finish_reason), tools)
+                message, finish = chat_message("".join(text), oa.openai_finish(ev.finish_reason), tools)
                 out = oa.chat_body(rid, model, message, finish, ev.stats, extra)
             out["choices"][0]["logprobs"] = lps.body() if lps else None
             return out
-
-
-def _chat_message(text: str, finish: str, tools: ToolUse | None) -> tuple[dict[str, Any], str]:
-    """The assistant message and finish_reason: the model's calls, when it made any well-formed
-    ones, as tool_calls (or the legacy function_call); otherwise its text."""
-    parsed = parse_calls(tools.fmt, text, tools.names, truncated=finish == "length") if tools is not None else None
-    if parsed is None or not parsed[1]:
-        return {"role": "assistant", "content": text}, finish
-    content, calls = parsed
-    if finish == "length":  # complete calls before a cut-off one: sent, and said to be cut
-        return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, finish
-    if tools is not None and tools.legacy:
-        fn = calls[0].openai()["function"]
-        return {"role": "assistant", "content": content or None, "function_call": fn}, "function_call"
-    return {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
 
 
 class _Logprobs:
@@ -259,48 +234,10 @@ async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
     return await bridge.next_or_cut(request)
 
 
-class _ChatDeltas:
-    """Streamed text -> chat deltas: content as it comes; with tools, each call once it closes,
-    as OpenAI streams them (id, type and name first, then the arguments) so that clients'
-    stream helpers reassemble them."""
-
-    def __init__(self, tools: ToolUse | None) -> None:
-        self.tools = tools
-        self.calls = CallStream(tools.fmt, tools.names) if tools is not None else None
-        self.n_calls = 0
-
-    def push(self, text: str) -> list[dict[str, Any]]:
-        if self.calls is None:
-            return [{"content": text}] if text else []
-        content, calls = self.calls.push(text)
-        return ([{"content": content}] if content else []) + [d for c in calls for d in self._call(c)]
-
-    def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
-        """Held-back text, and the finish_reason (tool_calls once a call was sent)."""
-        if self.calls is None:
-            return [], reason
-        rest = self.calls.finish(truncated=reason == "length")
-        deltas = [{"content": rest}] if rest else []
-        if self.n_calls and reason != "length":
-            reason = "function_call" if self.tools is not None and self.tools.legacy else "tool_calls"
-        return deltas, reason
-
-    def _call(self, call: Call) -> list[dict[str, Any]]:
-        if self.tools is not None and self.tools.legacy:
-            if self.n_calls:  # the legacy API has one call per answer
-                return []
-            self.n_calls += 1
-            return [{"function_call": {"name": call.name, "arguments": ""}}, {"function_call": {"arguments": call.arguments}}]
-        i = self.n_calls
-        self.n_calls += 1
-        head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-        return [{"tool_calls": [head]}, {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}]
-
-
 async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
                   include_usage: bool, tools: ToolUse | None, lps: _Logprobs | None = None) -> AsyncIterator[dict]:
     created = None
-    deltas = _ChatDeltas(tools)
+    deltas = ChatDeltas(tools)
     if kind == "chat":
         def empty() -> dict:
             return oa.chat_chunk(rid, model, {}, None, created)
