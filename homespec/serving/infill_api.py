@@ -21,11 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from homespec.serving.openai_api import HomespecOptions
+from homespec.serving.openai_api import HomespecOptions, stop_strings
 from homespec.speculation.engine import GenerationStats
 
-# The same bound as the OpenAI routes (openai_api.py): editors send 5-15 stop strings.
-MAX_STOP = 64
 # llama.cpp's penalty window when none is given; homespec's is fixed at the same 64 (sampling.py).
 PENALTY_LAST_N = 64
 
@@ -86,14 +84,7 @@ class InfillRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        stops = [v] if isinstance(v, str) else v
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return stop_strings(v)
 
     @model_validator(mode="after")
     def _unsupported(self) -> InfillRequest:

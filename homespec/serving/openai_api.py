@@ -129,6 +129,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI allows 4 stop strings; code assistants (Continue, llama.vscode) send 5-15 to end a
+# completion at a block boundary or a FIM marker. 64 is ample for them and keeps the per-token
+# stop-string scan (textstream.py) cheap.
+MAX_STOP = 64
+
+
+def stop_strings(v: str | list[str] | None) -> list[str] | None:
+    """A request's `stop` (one string or a list) as a list, checked: at most MAX_STOP, none empty."""
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    if any(s == "" for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return stops
+
+
 class _Common(BaseModel):
     # OpenAI refuses fields it does not define, and so do we: accepting one and answering without
     # it would hand back something other than what was asked for.
@@ -154,17 +172,7 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
-        if v is None:
-            return None
-        stops = [v] if isinstance(v, str) else v
-        # OpenAI allows 4; code assistants (Continue, llama.vscode) send 5-15 to end a completion
-        # at a block boundary or a FIM marker. 64 is ample for them and keeps the per-token
-        # stop-string scan (textstream.py) cheap.
-        if len(stops) > 64:
-            raise ValueError("at most 64 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return stop_strings(v)
 
     @field_validator("logit_bias")
     @classmethod
