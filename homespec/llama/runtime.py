@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -451,7 +452,9 @@ class Runtime:
         if getattr(self, "_grammar_tokenizer", None) is None:
             from llguidance.llamacpp import lltokenizer_from_vocab
 
-            self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=sorted(self.eog_ids))
+            with warnings.catch_warnings():  # it calls llama_token_get_attr, deprecated: once per token
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self._grammar_tokenizer = lltokenizer_from_vocab(self._vocab, eos_token=sorted(self.eog_ids))
         return self._grammar_tokenizer
 
     def metadata(self, key: str) -> str | None:
