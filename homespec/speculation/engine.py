@@ -16,6 +16,11 @@ So the target's KV cache always holds ctx[:-1], also between steps and after a c
 generation; proposers resynchronise from ctx themselves. k = 0 is plain decoding through the
 same code (one pass over the last token).
 
+Constraints: with a grammar (constraints.py), every row's logits are masked by the grammar
+state after the tokens before it, drafts are cut where they leave the grammar, and a step whose
+next tokens the grammar forces verifies those instead of asking the policy (jump-forward: its
+proposer is FORCED and no proposer runs).
+
 Randomness: an unseeded request verifies with Leviathan's rule (rejection_verify) and one rng. A
 seeded one draws the token at each context index from keys derived from (seed, index) alone
 (seeded_verify), so its output is the same whichever proposer and k the policy picks: auto mode
