@@ -77,6 +77,9 @@ class FakeRuntime:
             return b""
         return chr(ord("a") + token % 26).encode() if token < 26 else f"[{token}]".encode()
 
+    def grammar_tokenizer(self):
+        return grammar_tokenizer(self)
+
     def close(self) -> None:
         pass
 
