@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config, override
     from homespec.serving.app import create_app
     from homespec.serving.daemon import Daemon
-    from homespec.serving.http_server import install_repeat_filter, uvicorn_config
+    from homespec.serving.http_server import ensure_open_files, install_repeat_filter, uvicorn_config
     from homespec.serving.systemd import SystemdNotifier
 
     log = logging.getLogger("homespec.serve")
@@ -87,6 +87,7 @@ def main(args: argparse.Namespace) -> int:
     override(cfg.server, {"host": args.host, "port": args.port}, "--")
     api_key = resolve_api_key(cfg)
     check_bind(cfg.server.host, api_key, cfg.server.allow_unauthenticated_remote)
+    ensure_open_files(cfg.server.max_connections)
     # Fail fast on missing models, before binding the port (the worker would only log it).
     from homespec.models.fetch import resolve_model_path
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from homespec.config import ServerConfig
+from homespec.errors import UserError
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -87,6 +89,29 @@ def uvicorn_config(app: ASGIApp, server: ServerConfig, **kw: Any) -> uvicorn.Con
     kw.setdefault("timeout_graceful_shutdown", max(1, int(server.drain_timeout_s)))
     return uvicorn.Config(app, host=server.host, port=server.port, http=protocol, timeout_keep_alive=server.keep_alive_s,
                           access_log=False, **kw)
+
+
+# File descriptors the daemon needs besides its client connections: model files, the state
+# directory, logs, the event loop's own sockets and pipes, llama.cpp's threads.
+FD_HEADROOM = 256
+
+
+def ensure_open_files(max_connections: int) -> int:
+    """Raise the soft open-file limit (up to the hard one) so that max_connections clients fit
+    with FD_HEADROOM to spare: a shell's soft limit is often 1,024 while the hard one allows far
+    more. Returns the soft limit now; UserError naming server.max_connections when even the hard
+    limit is too low, rather than `accept() out of system resource` under load."""
+    need = max_connections + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        cap = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        if cap > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (cap, hard))
+            soft = cap
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise UserError(f"server.max_connections is {max_connections}, but this process may open only {soft} files "
+                        f"({FD_HEADROOM} are kept for the daemon itself): lower it or raise LimitNOFILE / ulimit -n")
+    return soft
 
 
 class RepeatFilter(logging.Filter):

@@ -4,12 +4,14 @@ repeated-log-line filter, and what the systemd unit says about fds, exit 78 and 
 from __future__ import annotations
 
 import logging
+import resource
 from pathlib import Path
 
 import pytest
 
 from homespec.config import ConfigError, load_config
-from homespec.serving.http_server import RepeatFilter
+from homespec.errors import UserError
+from homespec.serving.http_server import FD_HEADROOM, RepeatFilter, ensure_open_files
 from homespec.serving.systemd import render_unit
 
 
@@ -77,3 +79,41 @@ def test_a_system_unit_for_a_venv_under_tmp_says_private_tmp_hides_it(caplog: py
     assert "# WARNING: /tmp/checkout/.venv/bin/homespec is under /tmp" in text
     assert any("PrivateTmp=yes hides" in r.getMessage() for r in caplog.records)
     assert "WARNING" not in unit()  # /opt: nothing to say
+
+
+class FakeLimits:
+    """resource.getrlimit/setrlimit for RLIMIT_NOFILE, with a soft and a hard limit."""
+
+    def __init__(self, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+
+    def get(self, which: int) -> tuple[int, int]:
+        return self.soft, self.hard
+
+    def set(self, which: int, limits: tuple[int, int]) -> None:
+        assert limits[1] == self.hard and (self.hard == resource.RLIM_INFINITY or limits[0] <= self.hard)  # never above it
+        self.soft = limits[0]
+
+
+@pytest.mark.parametrize("soft, hard, max_conn, want", [
+    (1024, 524288, 512, 1024),  # enough already: untouched
+    (1024, 524288, 5000, 5000 + FD_HEADROOM),  # raised as far as needed, not to the hard limit
+    (1024, resource.RLIM_INFINITY, 5000, 5000 + FD_HEADROOM),
+])
+def test_the_soft_file_limit_is_raised_to_fit_max_connections(monkeypatch, soft, hard, max_conn, want) -> None:
+    limits = FakeLimits(soft, hard)
+    monkeypatch.setattr(resource, "getrlimit", limits.get)
+    monkeypatch.setattr(resource, "setrlimit", limits.set)
+    assert ensure_open_files(max_conn) == want == limits.soft
+
+
+def test_max_connections_beyond_the_hard_file_limit_is_refused_naming_the_setting(monkeypatch) -> None:
+    limits = FakeLimits(1024, 2048)
+    monkeypatch.setattr(resource, "getrlimit", limits.get)
+    monkeypatch.setattr(resource, "setrlimit", limits.set)
+    with pytest.raises(UserError, match="server.max_connections is 4000.*2048"):
+        ensure_open_files(4000)
+
+
+def test_this_process_really_fits_the_default_max_connections() -> None:
+    assert ensure_open_files(512) >= 512 + FD_HEADROOM
