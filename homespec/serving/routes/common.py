@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
+from homespec.speculation.engine import GenerationStats
 
 
 def daemon_of(request: Request) -> Daemon:
@@ -67,6 +69,21 @@ def validation_error(e: RequestValidationError) -> oa.ApiError:
     elif param:
         msg = f"{param}: {msg}"
     return oa.ApiError(400, msg, param=param)
+
+
+def check_speculation(daemon: Daemon, options: oa.HomespecOptions | None) -> oa.HomespecOptions:
+    """A request's `homespec` options, refused with a 400 when they name a mode not loaded now."""
+    h = options or oa.HomespecOptions()
+    if h.speculation and h.speculation not in daemon.available_modes():
+        raise oa.ApiError(400, f"speculation mode {h.speculation.value!r} is not available (choose from "
+                          f"{', '.join(daemon.available_modes())})", param="homespec.speculation")
+    return h
+
+
+def homespec_extra(daemon: Daemon, stats: GenerationStats, meta: dict[str, Any]) -> dict[str, Any]:
+    """The `homespec` extension object of a finished request (meta: its "started" event's extra)."""
+    baseline = daemon.session.controller.view.baseline_tps if daemon.session else None
+    return oa.homespec_stats(stats, str(meta.get("mode", "auto")), bool(meta.get("cold")), baseline)
 
 
 def submit(request: Request, job: Job) -> Bridge:

@@ -28,7 +28,16 @@ from homespec.serving import infill_api as ia
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent
 from homespec.serving.host import GenerationRequest, build_request
-from homespec.serving.routes.common import Bridge, ClientGone, daemon_of, job_error, shutting_down_error, submit
+from homespec.serving.routes.common import (
+    Bridge,
+    ClientGone,
+    check_speculation,
+    daemon_of,
+    homespec_extra,
+    job_error,
+    shutting_down_error,
+    submit,
+)
 from homespec.serving.routes.openai import CLIENT_GONE_STATUS, model_id
 
 router = APIRouter()
@@ -68,10 +77,7 @@ async def infill(request: Request, body: ia.InfillRequest) -> Any:
 
 def _generation_request(daemon: Daemon, body: ia.InfillRequest) -> GenerationRequest:
     limit = body.limit()
-    h = body.homespec or oa.HomespecOptions()
-    if h.speculation and h.speculation not in daemon.available_modes():
-        raise oa.ApiError(400, f"speculation mode {h.speculation.value!r} is not available (choose from "
-                          f"{', '.join(daemon.available_modes())})", param="homespec.speculation")
+    h = check_speculation(daemon, body.homespec)
     try:
         # n_predict 0 evaluates the prompt (editors warm the cache with it): one token is
         # sampled, as generation needs one, and nothing of it is answered.
@@ -118,8 +124,7 @@ class _Answer:
         assert st is not None
         if self.quiet:
             st = dataclasses.replace(st, completion_tokens=0)
-        baseline = self.daemon.session.controller.view.baseline_tps if self.daemon.session else None
-        extra = oa.homespec_stats(st, str(self.meta.get("mode", "auto")), bool(self.meta.get("cold")), baseline)
+        extra = homespec_extra(self.daemon, st, self.meta)
         body = ia.final_body(self.cutoff.text, st, stream=stream, finish=ev.finish_reason, cut=self.cutoff.hit,
                              model=self.model, wall_s=time.perf_counter() - self.t0, settings=self.settings, homespec=extra)
         return ia.select_fields(body, self.fields) if self.fields is not None else body

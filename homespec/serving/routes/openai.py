@@ -26,7 +26,9 @@ from homespec.serving.host import GenerationRequest, build_request
 from homespec.serving.routes.common import (
     Bridge,
     ClientGone,
+    check_speculation,
     daemon_of,
+    homespec_extra,
     job_error,
     shutting_down_error,
     submit,
@@ -130,9 +132,7 @@ def check_model(cfg: Config, name: str | None) -> None:
 
 
 def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str | None = None) -> GenerationRequest:
-    h = body.homespec or oa.HomespecOptions()
-    if h.speculation and h.speculation not in daemon.available_modes():
-        raise oa.ApiError(400, f"speculation mode {h.speculation.value!r} is not available (choose from {', '.join(daemon.available_modes())})", param="homespec.speculation")
+    h = check_speculation(daemon, body.homespec)
     try:
         return build_request(
             daemon.cfg,
@@ -190,7 +190,7 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
         elif ev.kind == "error":
             raise job_error(ev)
         elif ev.kind == "done":
-            extra = _extra(daemon, ev, meta)
+            extra = homespec_extra(daemon, ev.stats, meta)
             if kind == "completion":
                 out = oa.completion_body(rid, model, "".join(text), ev.finish_reason, ev.stats, extra)
             else:
@@ -284,15 +284,9 @@ async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, ki
                 for c in final:
                     yield {"data": json.dumps(c)}
                 if include_usage:
-                    tail = {**final[-1], "choices": [], "usage": oa.usage(ev.stats), "homespec": _extra(daemon, ev, meta)}
+                    tail = {**final[-1], "choices": [], "usage": oa.usage(ev.stats), "homespec": homespec_extra(daemon, ev.stats, meta)}
                     yield {"data": json.dumps(tail)}
                 break
         yield {"data": "[DONE]"}
     finally:
         job.cancel()  # a no-op when finished; stops the generation when the client left
-
-
-def _extra(daemon: Daemon, ev: JobEvent, meta: dict) -> dict:
-    """The `homespec` extension object of a finished request."""
-    baseline = daemon.session.controller.view.baseline_tps if daemon.session else None
-    return oa.homespec_stats(ev.stats, meta.get("mode", "auto"), bool(meta.get("cold")), baseline)
