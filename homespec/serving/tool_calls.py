@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from homespec.speculation.constraints import JSON_STYLE
+from homespec.speculation.constraints import JSON_STYLE, check_grammar
 
 ANY_TEXT = "/(.|\\n)+/"  # Lark: any text; the call markers are special tokens, so outside it
 
@@ -106,7 +106,9 @@ def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice
         rules.append(f"body_{i}: {_literal('{' + json.dumps('name') + ': ' + json.dumps(name) + ', ' + json.dumps('arguments') + ': ')} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     start = {"auto": "start: TEXT? calls?", "none": "start: TEXT?"}.get(choice, "start: calls")
-    return "\n".join([start, *rules]) + "\n"
+    grammar = "\n".join([start, *rules]) + "\n"
+    check_grammar(grammar)  # a parameters schema that does not compile: GrammarError, as for response_format
+    return grammar
 
 
 def _object_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:

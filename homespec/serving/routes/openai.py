@@ -34,7 +34,7 @@ from homespec.serving.routes.common import (
     submit,
 )
 from homespec.serving.tool_calls import ChatDeltas, ToolUse, call_grammar, chat_message, tool_format
-from homespec.speculation.constraints import GrammarError, check_grammar, json_schema_grammar, lark_grammar
+from homespec.speculation.constraints import GrammarError, json_schema_grammar, lark_grammar
 from homespec.speculation.sampling import TokenLogprob
 
 Kind = Literal["chat", "completion"]
@@ -81,9 +81,7 @@ def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
     try:
         if tools is not None:
             params = {f.name: f.parameters or {} for f in body.tool_defs()}
-            grammar = call_grammar(tools.fmt, params, body.choice(), body.parallel_tool_calls and not tools.legacy)
-            check_grammar(grammar)
-            return grammar
+            return call_grammar(tools.fmt, params, body.choice(), body.parallel_tool_calls and not tools.legacy)
         if rf is not None and rf.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if rf is not None and rf.type == "json_schema":
