@@ -359,3 +359,41 @@ def check_tokenizer_compat(target: Path, draft: Path) -> None:
         raise IncompatibleTokenizer(
             f"draft {dft.name} is not compatible with target {tgt.name}: " + "; ".join(report.problems)
         )
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a model says about itself, for clients that show it (Ollama's /api/show)."""
+
+    metadata: dict[str, Any]  # GGUF key -> value; long arrays (the vocabulary, merges) as None
+    n_params: int  # weights, summed over the tensor table
+    file_type: str | None  # the quantization, as llama.cpp names it ("Q4_K_M"); None if unknown
+
+
+def _json_safe(v: Any) -> Any:
+    # Keys and strings were decoded with surrogateescape; JSON bodies need real text.
+    if isinstance(v, str):
+        return v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if isinstance(v, list):
+        return [_json_safe(x) for x in v]
+    return None if isinstance(v, _LazyArray) else v
+
+
+def read_model_card(path: Path) -> ModelCard:
+    """The metadata and size of a GGUF model, from its header. ModelError as read_gguf_info."""
+    from gguf import LlamaFileType  # deferred: importing gguf costs ~0.1 s
+
+    h = _read_header(path, want_tokens=False)
+    n_params = 0
+    for _name, dims, _type, _off in h.tensors:
+        n = 1
+        for d in dims:
+            n *= d
+        n_params += n
+    ft = h.kv.get("general.file_type")
+    try:
+        file_type = LlamaFileType(ft).name.removeprefix("MOSTLY_") if isinstance(ft, int) else None
+    except ValueError:
+        file_type = None
+    metadata = {_json_safe(k): _json_safe(v) for k, v in h.kv.items()}
+    return ModelCard(metadata, n_params, file_type)

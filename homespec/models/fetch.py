@@ -476,6 +476,27 @@ def pull(
 # --- config -------------------------------------------------------------------------------------
 
 
+def model_file(cfg: Config, ref: ModelRef) -> Path:
+    """Where a config entry's GGUF file lives, without reading it (it may not exist yet)."""
+    if ref.path is not None:
+        return cfg.resolve(ref.path)
+    assert ref.name is not None  # ModelRef's validator guarantees a name or a path
+    entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name)
+    return cfg.resolve(cfg.models.dir) / entry.file
+
+
+def known_sha256(cfg: Config, ref: ModelRef) -> str | None:
+    """The model's sha256 as already known, without hashing: the registry's, or the checksum
+    recorded when a `path:` model was first loaded (None before that)."""
+    if ref.path is None:
+        return get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name or "").sha256
+    try:
+        sha = json.loads(local_stamp_path(model_file(cfg, ref)).read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return sha if isinstance(sha, str) else None
+
+
 def resolve_model_path(cfg: Config, ref: ModelRef, progress: HashProgress | None = None) -> Path:
     """The GGUF file a config entry points at, checked before anything loads it.
 
@@ -483,15 +504,13 @@ def resolve_model_path(cfg: Config, ref: ModelRef, progress: HashProgress | None
     in full only when its stamp is missing or stale), or when a `path:` model changed since its
     checksum was recorded. `progress` defaults to a line on stderr for files of 256 MiB and more.
     """
+    path = model_file(cfg, ref)
     if ref.path is not None:
-        path = cfg.resolve(ref.path)
         if not path.is_file():
             raise ModelError(f"model file {path} not found (set as `path` in the config)")
         check_local_model(path, progress or _stderr_progress(path))
         return path
-    assert ref.name is not None  # ModelRef's validator guarantees a name or a path
-    entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name)
-    path = cfg.resolve(cfg.models.dir) / entry.file
+    entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name or "")
     if not path.is_file():
         raise ModelError(f"model {ref.name} not found at {path}; run `homespec models pull`")
     check_registry_model(path, entry, progress or _stderr_progress(path))

@@ -1,10 +1,11 @@
 """The HTTP face of the daemon: an OpenAI-compatible API on localhost, plus health, metrics and
-the stats and admin endpoints the dashboard uses.
+the stats and admin endpoints the dashboard uses, and Ollama's API beside it.
 
 `create_app(daemon)` is a factory; the app holds no globals. It keeps the daemon and the
 advertised address on `app.state`, adds the middleware, maps every error to an OpenAI-style JSON
-body, and includes the routers of `homespec.serving.routes` (health, openai, admin, infill), whose
-handlers read what they need from `request.app.state`.
+body (Ollama's `{"error": ...}` under /api/), and includes the routers of
+`homespec.serving.routes` (health, openai, admin, infill, ollama), whose handlers read what they
+need from `request.app.state`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon
 from homespec.serving.middleware import ApiKeyAuth, BodyLimit, JsonOnly, SameOrigin, TrustedHost, trusted_hosts
-from homespec.serving.routes import admin, health, infill, openai
+from homespec.serving.routes import admin, health, infill, ollama, openai
 from homespec.serving.routes.common import error_response, validation_error
 
 log = logging.getLogger("homespec.serving.app")
@@ -55,22 +56,25 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(infill.router)  # llama.cpp's /infill, for editor plugins
+    app.include_router(ollama.router)  # Ollama's /api/*, for apps that speak only Ollama
     return app
 
 
-async def _api_error(_: Request, e: oa.ApiError) -> JSONResponse:
-    return error_response(e)
+async def _api_error(request: Request, e: oa.ApiError) -> JSONResponse:
+    return error_response(e, request.url.path)
 
 
-async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-    return error_response(validation_error(e))
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    return error_response(validation_error(e), request.url.path)
 
 
-async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = "not_found" if e.status_code == 404 else None
-    return error_response(oa.ApiError(e.status_code, str(e.detail), code=kind, headers=e.headers))  # e.g. 405's Allow
+    # e.g. 405's Allow
+    return error_response(oa.ApiError(e.status_code, str(e.detail), code=kind, headers=e.headers), request.url.path)
 
 
-async def _crash(_: Request, e: Exception) -> JSONResponse:
+async def _crash(request: Request, e: Exception) -> JSONResponse:
     log.exception("unhandled error")
-    return error_response(oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error"))
+    err = oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
+    return error_response(err, request.url.path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -73,8 +74,13 @@ class Job:
     sink: Callable[[JobEvent], None]  # called from the worker thread
     # The prompt, built on the worker thread from the models loaded then (they may be
     # unloaded while the job waits): chat through the template, raw text, infill pieces.
-    encode: Callable[[ModelSet], list[int]]
+    # None: nothing to generate; the job only loads the models (Ollama's empty request), or
+    # unloads them when keep_alive_s is 0.
+    encode: Callable[[ModelSet], list[int]] | None
     timeout_s: float = 600.0
+    # How long the models stay loaded once this job ends (Ollama's per-request keep_alive):
+    # None = memory.keep_alive_s, math.inf = until told otherwise, 0 = unload at once.
+    keep_alive_s: float | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -104,6 +110,7 @@ class Daemon:
         # The target's chat template, kept from the last load (the model may be unloaded after
         # keep_alive): requests with tools need its call format before they queue.
         self.template_source: str | None = None
+        self.can_infill: bool | None = None  # the target has FIM tokens (None: not loaded yet)
         self.cold_loads = 0
         self.memory_events: collections.deque[str] = collections.deque(maxlen=20)
         self._queue: collections.deque[Job] = collections.deque()
@@ -112,6 +119,9 @@ class Daemon:
         self._accepting = True
         self._stop = False
         self._last_active = time.monotonic()
+        # Seconds idle before unloading, None = never: the last job's keep_alive (as Ollama's
+        # last request decides), memory.keep_alive_s when it named none.
+        self._keep_alive_s: float | None = cfg.memory.keep_alive_s
         self._mean_request_s = 10.0  # for Retry-After; refined from real requests
         self._worker = threading.Thread(target=self._work, name="homespec-worker", daemon=True)
         self._ticker = threading.Thread(target=self._tick, name="homespec-ticker", daemon=True)
@@ -226,8 +236,8 @@ class Daemon:
                 while not self._queue and not self._stop:
                     self._progress = time.monotonic()
                     self._apply_control()
+                    self._maybe_unload()  # before waiting: keep_alive 0 unloads at once
                     self._cv.wait(1.0)
-                    self._maybe_unload()
                 if self._stop:
                     return
                 self._apply_control()
@@ -244,6 +254,7 @@ class Daemon:
                 with self._cv:
                     self._running = None
                     self._last_active = time.monotonic()
+                    self._keep_alive_s = self._keep_alive_after(job)
                     self.metrics.queue_running.set(0)
                     self._cv.notify_all()
 
@@ -314,6 +325,7 @@ class Daemon:
         self._progress = time.monotonic()
         self.warmup_s = session.warmup_s
         self.template_source = session.models.template.source
+        self.can_infill = not session.models.target.fim_tokens().missing
         self.session = session
         self.cold_loads += cold
         self.state, self.error, self._retry_load = "ready", None, False
@@ -324,19 +336,44 @@ class Daemon:
         self._watch(plan)
         self.on_ready()
 
+    def _keep_alive_after(self, job: Job) -> float | None:
+        ka = job.keep_alive_s
+        if ka is None:
+            return self.cfg.memory.keep_alive_s
+        return None if math.isinf(ka) else ka
+
     def _maybe_unload(self) -> None:
         """keep_alive: unload after an idle period (called with the lock held, worker idle)."""
-        ka = self.cfg.memory.keep_alive_s
+        ka = self._keep_alive_s
         if ka is None or self.session is None or self.state != "ready":
             return
         if time.monotonic() - self._last_active >= ka:
-            log.info("idle for %.0f s: unloading models (keep_alive_s)", ka)
-            self.session.close()
-            self.session = None
-            self.state = "unloaded"
-            self.metrics.warm.set(0)
-            self.metrics.model_loaded.labels("target").set(0)
-            self.metrics.model_loaded.labels("draft").set(0)
+            self._unload(f"idle for {ka:.0f} s" if ka else "keep_alive 0")
+
+    def _unload(self, why: str) -> None:
+        if self.session is None:
+            return
+        log.info("%s: unloading models", why)
+        self.session.close()
+        self.session = None
+        self.state = "unloaded"
+        self.metrics.warm.set(0)
+        self.metrics.model_loaded.labels("target").set(0)
+        self.metrics.model_loaded.labels("draft").set(0)
+
+    def loaded(self) -> bool:
+        return self.session is not None and self.state == "ready"
+
+    def expires_at(self) -> float | None:
+        """When idle models will be unloaded (epoch seconds): math.inf = never, None = not loaded."""
+        if not self.loaded():
+            return None
+        ka = self._keep_alive_s
+        if ka is None:
+            return math.inf
+        busy = self._running is not None
+        idle_from = time.monotonic() if busy else self._last_active
+        return time.time() + (idle_from + ka - time.monotonic())
 
     def _run(self, job: Job) -> None:
         t0 = time.perf_counter()
@@ -345,13 +382,24 @@ class Daemon:
         if job.cancelled.is_set():  # the client left while the job waited for its turn
             self._record_abandoned(job)
             return
+        if job.encode is None and job.keep_alive_s == 0:  # Ollama's "unload now" (`ollama stop`)
+            self._unload("a request asked (keep_alive 0)")
+            job.sink(JobEvent("started", extra={"prompt_tokens": 0, "cold": False, "load_s": 0.0}))
+            job.sink(JobEvent("done", finish_reason="unload"))
+            return
         cold = self.session is None
+        t_load = time.perf_counter()
         if cold:
             try:
                 self._load(cold=True)
             except Exception as e:
                 self._reload_failed(job, e)
                 return
+        load_s = time.perf_counter() - t_load  # seconds this job waited for the models
+        if job.encode is None:  # Ollama's empty request: load the models, generate nothing
+            job.sink(JobEvent("started", extra={"prompt_tokens": 0, "cold": cold, "load_s": load_s}))
+            job.sink(JobEvent("done", finish_reason="load"))
+            return
         session = self.session
         assert session is not None
         models = session.models
@@ -370,7 +418,7 @@ class Daemon:
         except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text
             job.sink(JobEvent("error", text=f"text is not valid Unicode: {e.reason} at position {e.start}", status=400, code="invalid_request"))
             return
-        job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode}))
+        job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode, "load_s": load_s}))
         status = "ok"
         baseline = session.controller.view.baseline_tps
         try:

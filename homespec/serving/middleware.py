@@ -32,14 +32,15 @@ class ApiKeyAuth:
         self.app, self.api_key = app, api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS) or scope["method"] == "OPTIONS":
+        # "/" answers "Ollama is running" (the ollama CLI's heartbeat) and nothing else.
+        if scope["type"] != "http" or scope["path"] == "/" or scope["path"].startswith(OPEN_PATHS) or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         # Bytes against bytes: the key is ASCII (config.py checks), so no decoding can differ.
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
         token = header[7:] if header[:7].lower() == b"bearer " else b""
         if not hmac.compare_digest(token, self.api_key.encode()):
             msg = "missing API key (send 'Authorization: Bearer <key>')" if not token else "invalid API key"
-            return await error_response(oa.ApiError(401, msg, code="invalid_api_key"))(scope, receive, send)
+            return await error_response(oa.ApiError(401, msg, code="invalid_api_key"), scope.get("path", ""))(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -56,7 +57,7 @@ class BodyLimit:
         length = headers.get(b"content-length")
         too_big = oa.ApiError(413, f"request body larger than {self.max_bytes} bytes", code="body_too_large")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await error_response(too_big)(scope, receive, send)
+            return await error_response(too_big, scope.get("path", ""))(scope, receive, send)
         seen = 0
         cut = started = False
 
@@ -84,7 +85,7 @@ class BodyLimit:
         except _TooBig:
             pass
         if cut and not started:
-            await error_response(too_big)(scope, receive, send)
+            await error_response(too_big, scope.get("path", ""))(scope, receive, send)
 
 
 class _TooBig(Exception):
@@ -139,7 +140,7 @@ class TrustedHost:
         if trusted:
             return await self.app(scope, receive, send)
         msg = f"Host {raw!r} is not trusted; add it to server.allowed_hosts if clients really use that name"
-        return await error_response(oa.ApiError(400, msg, code="untrusted_host"))(scope, receive, send)
+        return await error_response(oa.ApiError(400, msg, code="untrusted_host"), scope.get("path", ""))(scope, receive, send)
 
 
 class SameOrigin:
@@ -161,7 +162,7 @@ class SameOrigin:
         if o in self.cors_origins or "*" in self.cors_origins or o.split("://", 1)[-1] == host:
             return await self.app(scope, receive, send)
         msg = f"cross-origin POST from {o!r} refused; list the origin in server.cors_origins or set an API key"
-        return await error_response(oa.ApiError(403, msg, code="cross_origin_refused"))(scope, receive, send)
+        return await error_response(oa.ApiError(403, msg, code="cross_origin_refused"), scope.get("path", ""))(scope, receive, send)
 
 
 class JsonOnly:
@@ -184,7 +185,7 @@ class JsonOnly:
             return await self.app(scope, receive, send)
         got = f"Content-Type {mime!r}" if mime else "no Content-Type"
         msg = f"{got} is not supported: send the body as JSON with 'Content-Type: application/json'"
-        return await error_response(oa.ApiError(415, msg, code="unsupported_media_type"))(scope, receive, send)
+        return await error_response(oa.ApiError(415, msg, code="unsupported_media_type"), scope.get("path", ""))(scope, receive, send)
 
 
 # -- the HTTP server: connection limits uvicorn does not have ------------------------------------

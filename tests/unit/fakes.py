@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from homespec.llama.fim import FimTokens
 from homespec.llama.runtime import ContextFull
 from homespec.speculation.proposers.base import Preview
 from homespec.speculation.proposers.ngram import Match, NgramProposer
@@ -51,6 +52,9 @@ class FakeRuntime:
 
     def truncate(self, n: int) -> None:
         del self.tokens[n:]
+
+    def fim_tokens(self) -> FimTokens:
+        return FimTokens()  # no fill-in-the-middle markers: infill is refused, as for such a model
 
     def sync(self, context: Sequence[int], output: str = "last") -> np.ndarray:
         keep = common_prefix(self.tokens, context)

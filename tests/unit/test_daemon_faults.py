@@ -36,7 +36,8 @@ class FakeGen:
 class FakeHost:
     def __init__(self, view: Any = None) -> None:
         self.models = SimpleNamespace(draft=None, encode_chat=lambda m: [1, 2, 3], encode_text=lambda t: [1],
-                                      template=SimpleNamespace(source=None))
+                                      template=SimpleNamespace(source=None),
+                                      target=SimpleNamespace(fim_tokens=lambda: SimpleNamespace(missing=[])))
         self.controller = SimpleNamespace(view=view or SimpleNamespace(baseline_tps=None, effective_tps=None, speedup=None, k=0))
         self.warmup_s = 0.0
         self.closed = False

@@ -12,8 +12,10 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from homespec.config import Config
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
+from homespec.serving.tool_calls import ToolUse, tool_format
 from homespec.speculation.engine import GenerationStats
 
 
@@ -21,15 +23,37 @@ def daemon_of(request: Request) -> Daemon:
     return request.app.state.daemon
 
 
+def model_id(cfg: Config) -> str:
+    """The served model's public name: server.model_alias, else the target's name."""
+    if cfg.server.model_alias:
+        return cfg.server.model_alias
+    ref = cfg.models.target
+    return ref.name or (ref.path.stem if ref.path else "homespec")
+
+
+# nginx's "client closed request": logged nowhere but our line; the client is gone anyway.
+CLIENT_GONE_STATUS = 499
+
+
 # A 503 is "try again": say when, so clients and proxies back off instead of hammering.
 RETRY_AFTER_503_S = 5
 
 
-def error_response(e: oa.ApiError) -> JSONResponse:
+# Ollama's API lives under this prefix; its clients read errors as {"error": "message"}.
+OLLAMA_PREFIX = "/api/"
+
+
+def error_response(e: oa.ApiError, path: str = "") -> JSONResponse:
+    """The error as JSON: OpenAI's shape, or Ollama's under /api/ (path: the request's)."""
     headers = dict(e.headers or {})
     if e.status == 503 and not any(k.lower() == "retry-after" for k in headers):
         headers["Retry-After"] = str(RETRY_AFTER_503_S)
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    if path.startswith(OLLAMA_PREFIX):  # no `param` field there: the message names it
+        named = not e.param or e.param in e.message
+        body: dict = {"error": e.message if named else f"{e.param}: {e.message}"}
+    else:
+        body = e.body()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 def shutting_down_error() -> oa.ApiError:
@@ -78,6 +102,19 @@ def check_speculation(daemon: Daemon, options: oa.HomespecOptions | None) -> oa.
         raise oa.ApiError(400, f"speculation mode {h.speculation.value!r} is not available (choose from "
                           f"{', '.join(daemon.available_modes())})", param="homespec.speculation")
     return h
+
+
+def tool_use(daemon: Daemon, names: list[str], legacy: bool = False) -> ToolUse:
+    """How a request with tools may call them: the call format of the target's chat template
+    (a 400 naming `tools` when it has none; a 503 before the first load, which reads it)."""
+    if daemon.template_source is None:
+        raise oa.ApiError(503, "not ready: the model has not been loaded yet", type="server_error", code="not_ready",
+                          headers={"Retry-After": str(RETRY_AFTER_503_S)})
+    fmt = tool_format(daemon.template_source)
+    if fmt is None:
+        raise oa.ApiError(400, f"model {model_id(daemon.cfg)!r} has no tool-call format in its chat template; tools are not available with it",
+                          param="tools", code="tools_unsupported")
+    return ToolUse(fmt, names, legacy)
 
 
 def homespec_extra(daemon: Daemon, stats: GenerationStats, meta: dict[str, Any]) -> dict[str, Any]:

@@ -29,16 +29,17 @@ from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent
 from homespec.serving.host import GenerationRequest, build_request
 from homespec.serving.routes.common import (
+    CLIENT_GONE_STATUS,
     Bridge,
     ClientGone,
     check_speculation,
     daemon_of,
     homespec_extra,
     job_error,
+    model_id,
     shutting_down_error,
     submit,
 )
-from homespec.serving.routes.openai import CLIENT_GONE_STATUS, model_id
 
 router = APIRouter()
 log = logging.getLogger("homespec.serving.infill")

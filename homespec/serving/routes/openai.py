@@ -24,16 +24,19 @@ from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon, Job, JobEvent
 from homespec.serving.host import GenerationRequest, build_request
 from homespec.serving.routes.common import (
+    CLIENT_GONE_STATUS,
     Bridge,
     ClientGone,
     check_speculation,
     daemon_of,
     homespec_extra,
     job_error,
+    model_id,
     shutting_down_error,
     submit,
+    tool_use,
 )
-from homespec.serving.tool_calls import ChatDeltas, ToolUse, call_grammar, chat_message, tool_format
+from homespec.serving.tool_calls import ChatDeltas, ToolUse, call_grammar, chat_message
 from homespec.speculation.constraints import GrammarError, json_schema_grammar, lark_grammar
 from homespec.speculation.sampling import TokenLogprob
 
@@ -41,8 +44,6 @@ Kind = Literal["chat", "completion"]
 
 router = APIRouter()
 log = logging.getLogger("homespec.serving.openai")
-# nginx's "client closed request": logged nowhere but our line; the client is gone anyway.
-CLIENT_GONE_STATUS = 499
 
 
 @router.get("/v1/models")
@@ -64,15 +65,8 @@ async def chat(request: Request, body: oa.ChatRequest) -> Any:
 def _tool_use(daemon: Daemon, body: oa.ChatRequest) -> ToolUse | None:
     if not body.tool_defs():
         return None
-    if daemon.template_source is None:
-        raise oa.ApiError(503, "not ready: the model has not been loaded yet", type="server_error", code="not_ready",
-                          headers={"Retry-After": "5"})
-    fmt = tool_format(daemon.template_source)
-    if fmt is None:
-        raise oa.ApiError(400, f"model {model_id(daemon.cfg)!r} has no tool-call format in its chat template; tools are not available with it",
-                          param="tools", code="tools_unsupported")
     # Under "none" the tools stay in the prompt but nothing the model writes is a call.
-    return ToolUse(fmt, body.tool_names() if body.choice() != "none" else [], body.legacy_functions)
+    return tool_use(daemon, body.tool_names() if body.choice() != "none" else [], body.legacy_functions)
 
 
 def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
@@ -115,13 +109,6 @@ async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Call
     job = Job(to_request(daemon, body, body.limit(), grammar), sink=lambda ev: None,
               timeout_s=daemon.cfg.server.request_timeout_s, encode=encode)
     return await run(request, body, job, kind, tools)
-
-
-def model_id(cfg: Config) -> str:
-    if cfg.server.model_alias:
-        return cfg.server.model_alias
-    ref = cfg.models.target
-    return ref.name or (ref.path.stem if ref.path else "homespec")
 
 
 def check_model(cfg: Config, name: str | None) -> None:
