@@ -21,12 +21,13 @@ from homespec.errors import UserError
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol plus two limits it lacks (0.54 has no header-read timeout, and
+    """uvicorn's h11 protocol plus what it lacks (0.54 has no header-read timeout, and
     limit_concurrency answers 503 only once a request has fully arrived, so stalled half
     headers still pile up until file descriptors run out):
 
     - a request (headers and body) must arrive within header_timeout_s of the connection opening
       or of the previous response; otherwise the connection is closed;
+    - a client that half-closes after its request still gets the answer (eof_received);
     - at max_connections, a new connection evicts one that is waiting for its request: first
       the oldest that never completed a request (a staller), then the oldest idle keep-alive
       one (a client that has been answered before); or it is closed itself when every
@@ -49,9 +50,23 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if getattr(self, "_half_closed", False):  # the client said it sends nothing more
+            self.transport.close()
+            return
         self._served += 1
         self._opened = time.monotonic()
         self._arm()
+
+    def eof_received(self) -> bool | None:
+        """A client may half-close (shutdown(SHUT_WR)) once its request is sent and still read
+        the answer (netcat, some scripts and proxies do). uvicorn closed the socket at that EOF,
+        so the request was taken for a hang-up and cancelled. Keep it open for writing until the
+        answer is sent (on_response_complete closes it); EOF anywhere else closes as before."""
+        cycle = getattr(self, "cycle", None)
+        if self.conn.their_state is h11.DONE and cycle is not None and not cycle.response_complete:
+            self._half_closed = True
+            return True
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._read_timer is not None:

@@ -8,6 +8,7 @@ The daemon behind these apps is never started (no model load): /health answers, 
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 
@@ -16,7 +17,7 @@ import pytest
 
 from homespec.serving.app import create_app
 from homespec.serving.daemon import Daemon
-from tests.integration.server_fixtures import API_KEY, ThreadServer, server_config
+from tests.integration.server_fixtures import API_KEY, Served, ThreadServer, server_config
 
 pytestmark = pytest.mark.integration
 
@@ -201,3 +202,28 @@ def test_every_503_carries_retry_after(guarded: ThreadServer) -> None:
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, (r.status_code, r.headers)
     assert r.json()["error"]["code"] == "not_ready"
 
+
+
+# -- a half-closed client --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(served: Served, stream: bool) -> None:
+    """shutdown(SHUT_WR) after the request: uvicorn took the EOF for a hang-up and the generation
+    was cancelled before its first token; now the answer comes, then the server closes."""
+    srv = ThreadServer(create_app(served.daemon, address="127.0.0.1"), server=served.daemon.cfg.server).start()
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "temperature": 0,
+                           "stream": stream}).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=CLOSE_WAIT_S) as s:
+            s.sendall(head + body)
+            s.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := s.recv(65536):  # until the server closes: it must, once answered
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200"), data[:200]
+        assert (b"data: [DONE]" in data) if stream else (b'"finish_reason"' in data and b'"content"' in data)
+    finally:
+        srv.stop()
