@@ -6,14 +6,21 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
-# llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time; pip
-# caches the wheel). The default build targets AVX2 instead of -march=native: a native build on a
-# CPU that advertises AMX uses AMX tiles, which fault inside VMs that do not enable them
-# (measured here: SIGSEGV at ldtilecfg in ggml_backend_amx_mul_mat), and a native wheel from
-# pip's cache would not run on an older CPU. For an NVIDIA GPU:
+# llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time). It is
+# built for the CPU it runs on: homespec/llama/cpu_build.py reads /proc/cpuinfo and names every x86
+# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX only when a run-time check passes, as a
+# native build faulted in a VM that advertised AMX without enabling its tiles). The wheel is kept
+# in a folder named after the version and the options, never in pip's cache, which is keyed by
+# version only and would hand a wheel built for one CPU to another that lacks its instructions.
+# The options are recorded beside the installed package, and the daemon refuses a build this CPU
+# cannot run. For an NVIDIA GPU:
 #     make serve LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
+LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) homespec/llama/cpu_build.py cmake-args)
 export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) $(CMAKE_ARGS)
+LLAMA_BUILD := $(shell printf '%s|%s|%s' '$(LLAMA_VERSION)' '$(CMAKE_ARGS)' "$$(uname -m)" | sha256sum | cut -c1-16)
+WHEELS      := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/homespec/wheels/$(LLAMA_BUILD)
+LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_BUILD)
 
 .PHONY: serve test lint install models test-models bench dashboard clean
 
@@ -29,11 +36,20 @@ lint: $(STAMP)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip wheel
+$(STAMP): pyproject.toml $(LLAMA_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[dev,mtp]'
 	touch $(STAMP)
+
+# llama.cpp for this CPU (or for LLAMA_CMAKE_ARGS), built once per version and options.
+$(LLAMA_STAMP):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip wheel
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || \
+		$(BIN)/python -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w $(WHEELS) 'llama-cpp-python==$(LLAMA_VERSION)'
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
+	$(BIN)/python homespec/llama/cpu_build.py stamp "$$($(BIN)/python -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llama_cpp").origin))')" '$(CMAKE_ARGS)'
+	rm -f $(VENV)/.llama-*
+	touch $@
 
 # The default target and draft (see models/registry.yaml).
 models: $(STAMP)

@@ -1,4 +1,4 @@
-"""homespec command line: serve | run | bench | models | dashboard | service | train-mtp.
+"""homespec command line: serve | run | bench | models | dashboard | service | train-mtp | doctor.
 
 Each subcommand lives in homespec/cli/<name>.py and is imported only when used, so that
 `homespec models list` does not pay for loading llama.cpp or torch. Errors that a user can fix
@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dashboard": ("dashboard", "live terminal dashboard of a running daemon"),
     "service": ("service", "install the systemd unit for this checkout"),
     "train-mtp": ("train_mtp", "collect target hidden states and train an MTP draft head"),
+    "doctor": ("doctor", "which CPU kernels llama.cpp runs with here, and whether the build fits this CPU"),
 }
 
 

@@ -27,12 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import llama_cpp
 import numpy as np
 
 from homespec.errors import ModelError
+from homespec.llama.cpu_build import require_matching_build
 from homespec.llama.fim import FimTokens
 from homespec.tokens import common_prefix
+
+require_matching_build()  # before llama.cpp loads: a build for another CPU dies with SIGILL
+
+import llama_cpp  # noqa: E402
 
 log = logging.getLogger("homespec.llama.runtime")
 _llama_log = logging.getLogger("homespec.llama_cpp")

@@ -1,0 +1,56 @@
+"""`homespec doctor`: what this machine runs llama.cpp with. The CPU's instruction sets, the
+kernels the installed llama.cpp was built with (and whether this CPU can run them), llama.cpp's
+own account of its backends, and whether AMX tiles work here.
+
+Only argparse is imported at module level; llama_cpp is loaded last, after the build check.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-amx-check", action="store_true", help="skip compiling and running the AMX tile check")
+
+
+def main(args: argparse.Namespace) -> int:
+    from homespec.llama import cpu_build as cb
+
+    flags = cb.cpu_flags()
+    wanted = sorted({f for needs in cb.OPTIONS.values() for f in needs})
+    print(f"cpu:      {_cpu_model()}")
+    print(f"flags:    {' '.join(f for f in wanted if f in flags) or '(none of the x86 SIMD flags llama.cpp uses)'}")
+    if "amx_tile" in flags and not args.no_amx_check:
+        print(f"amx:      {'tiles work (the check ran)' if cb.amx_works() else 'advertised, but the tile check failed: AMX stays off'}")
+    folder = cb.installed_package_dir()
+    options = cb.read_stamp(folder) if folder is not None else None
+    if options is None:
+        print("build:    no record of how llama.cpp was built (installed by hand?); `make install` builds it for this CPU")
+        status = 0
+    else:
+        print(f"build:    {cb.key(options)}")
+        missing = cb.missing_flags(options, flags)
+        better = sorted(k for k, v in cb.choose(flags).items() if v and not options.get(k))
+        if missing:
+            print(f"mismatch: built for {', '.join(missing)}, which this CPU lacks: run `make install` to rebuild")
+            return 1  # loading llama.cpp now could crash the process (SIGILL)
+        print("match:    this CPU runs every kernel of the build" + (f" (it also has {', '.join(better)}: `make install` to use them)" if better else ""))
+        status = 0
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+    print(f"llama.cpp: {info}")
+    return status
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()

@@ -1,0 +1,214 @@
+"""llama.cpp built for the CPU it runs on, and never run on a CPU that lacks what it was built for.
+
+llama-cpp-python compiles llama.cpp from source; which x86 kernels the build contains is decided
+by CMake options (GGML_AVX2, GGML_AVX512, ...). A build for the oldest common CPU leaves the
+AVX-512 kernels out, and the batched verify pass that speculation lives on is up to ~1.8x cheaper
+with them (issue 15: llama-bench pp17, 323 ms AVX-512 against 583 ms AVX2 on the same Xeon). A
+native build (-march=native) is fast where it was built and dies with SIGILL elsewhere, and pip's
+wheel cache is keyed by version, not by CPU. So the install reads the CPU's flags, turns on
+exactly the kernels they allow, builds the wheel into a cache folder named after that set
+(`key`), and records the set next to the installed package (`write_stamp`); the daemon compares
+the record with /proc/cpuinfo before llama.cpp is loaded (`check_stamp`).
+
+AMX is left out unless a check proves the tiles work here: on one VM that advertised `amx_tile`,
+a native build faulted at `ldtilecfg` (ggml_backend_amx_mul_mat). The check compiles and runs a
+few lines of C that ask the kernel for the tile state and load a tile configuration.
+
+This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
+it imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# CMake option -> the /proc/cpuinfo flags its compiler flags need (ggml/src/ggml-cpu/CMakeLists.txt:
+# GGML_AVX512 adds -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw). In dependency order.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "GGML_SSE42": ("sse4_2",),
+    "GGML_AVX": ("avx",),
+    "GGML_F16C": ("f16c",),
+    "GGML_FMA": ("fma",),
+    "GGML_BMI2": ("bmi2",),
+    "GGML_AVX2": ("avx2",),
+    "GGML_AVX_VNNI": ("avx_vnni",),
+    "GGML_AVX512": ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"),
+    "GGML_AVX512_VBMI": ("avx512f", "avx512vbmi"),
+    "GGML_AVX512_VNNI": ("avx512f", "avx512_vnni"),
+    "GGML_AVX512_BF16": ("avx512f", "avx512_bf16"),
+    "GGML_AMX_TILE": ("amx_tile",),
+    "GGML_AMX_INT8": ("amx_tile", "amx_int8"),
+    "GGML_AMX_BF16": ("amx_tile", "amx_bf16"),
+}
+AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+
+# Where the record of the build's options lives: beside the installed llama_cpp package.
+STAMP_NAME = "homespec-cpu-build.json"
+
+# Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile
+# configuration and zeroes a tile: the instructions ggml's AMX kernels start with.
+_AMX_CHECK_C = r"""
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+int main(void) {
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 2;
+    uint8_t cfg[64];
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1;                      /* palette 1 */
+    cfg[16] = 64; cfg[48] = 16;      /* tile 0: 16 rows of 64 bytes */
+    __asm__ volatile("ldtilecfg %0" :: "m"(cfg));
+    __asm__ volatile("tilezero %%tmm0" ::);
+    __asm__ volatile("tilerelease" ::);
+    return 0;
+}
+"""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The instruction-set flags of this CPU (the first `flags` line of /proc/cpuinfo); empty
+    when there is none (not Linux, not x86)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def amx_works(cc: str | None = None) -> bool:
+    """Compile and run the AMX check; False when there is no compiler or anything fails."""
+    cc = cc or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp, "amx.c"), Path(tmp, "amx")
+        src.write_text(_AMX_CHECK_C)
+        try:
+            subprocess.run([cc, "-O0", "-mamx-tile", "-o", str(exe), str(src)], check=True, capture_output=True, timeout=60)
+            return subprocess.run([str(exe)], capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            return False
+
+
+def choose(flags: set[str], amx: bool = False) -> dict[str, bool]:
+    """Each option on exactly when the CPU has every flag it needs (AMX only when `amx`, the
+    check's result). Every option is named, ON or OFF: ggml turns several on by default."""
+    out = {}
+    for option, needs in OPTIONS.items():
+        on = all(f in flags for f in needs)
+        out[option] = on and (amx or option not in AMX_OPTIONS)
+    return out
+
+
+def cmake_args(options: dict[str, bool]) -> str:
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{k}={'ON' if v else 'OFF'}" for k, v in options.items()])
+
+
+def key(options: dict[str, bool]) -> str:
+    """A short name for the set of kernels, for the wheel cache folder ("avx2-bmi2-f16c-fma...")."""
+    on = [k.removeprefix("GGML_").lower() for k, v in options.items() if v]
+    return "-".join(on) or "generic"
+
+
+def required_flags(options: dict[str, bool]) -> set[str]:
+    """The CPU flags a build with these options needs to run."""
+    return {f for option, on in options.items() if on for f in OPTIONS.get(option, ())}
+
+
+# With GGML_NATIVE=OFF, ggml turns these on unless told otherwise (INS_ENB in its CMakeLists).
+_DEFAULT_ON = ("GGML_SSE42", "GGML_AVX", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX2")
+
+
+def options_from_args(args: str, flags: set[str], amx: bool = False) -> dict[str, bool]:
+    """The kernels a build with these CMAKE_ARGS contains (for a build configured by hand, e.g.
+    with CUDA): GGML_NATIVE on (ggml's default) means everything this CPU has."""
+    named = {}
+    for word in args.split():
+        if word.startswith("-DGGML_") and "=" in word:
+            name, value = word[2:].split("=", 1)
+            named[name] = value.upper() in ("ON", "1", "TRUE", "YES")
+    if named.get("GGML_NATIVE", True):
+        return choose(flags, amx=amx)
+    return {k: named.get(k, k in _DEFAULT_ON) for k in OPTIONS}
+
+
+def write_stamp(package_dir: Path, options: dict[str, bool]) -> Path:
+    path = Path(package_dir) / STAMP_NAME
+    path.write_text(json.dumps({"options": options, "machine": platform.machine()}, indent=1) + "\n")
+    return path
+
+
+def read_stamp(package_dir: Path) -> dict[str, bool] | None:
+    """The options the installed llama.cpp was built with; None when it was not built by the
+    install (a wheel from elsewhere, a GPU build by hand)."""
+    try:
+        raw = json.loads((Path(package_dir) / STAMP_NAME).read_text())
+        return {str(k): bool(v) for k, v in raw["options"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def missing_flags(options: dict[str, bool], flags: set[str]) -> list[str]:
+    """Flags the build needs and this CPU lacks (empty: safe to load). No flags known (not x86
+    Linux): nothing can be checked, nothing is reported."""
+    if not flags:
+        return []
+    return sorted(required_flags(options) - flags)
+
+
+def installed_package_dir() -> Path | None:
+    """The folder of the installed llama_cpp package, found without importing (loading) it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def require_matching_build() -> None:
+    """Refuse to load a llama.cpp built for instructions this CPU lacks: it would die with SIGILL
+    somewhere inside a matrix multiply. Called before llama_cpp is imported; a build without a
+    record (installed by hand) is trusted."""
+    from homespec.errors import ModelError  # here: the Makefile runs this file without homespec
+
+    folder = installed_package_dir()
+    options = read_stamp(folder) if folder is not None else None
+    missing = missing_flags(options, cpu_flags()) if options is not None else []
+    if missing:
+        raise ModelError(f"llama.cpp in {folder} was built for a CPU with {', '.join(missing)}, which this CPU lacks "
+                         f"(it would crash): rebuild it for this machine with `make install`")
+
+
+def _main(argv: list[str]) -> int:
+    """`cmake-args`: the CMAKE_ARGS for this CPU; `stamp DIR ARGS`: record in DIR (the installed
+    llama_cpp package) the kernels a build with CMAKE_ARGS contains."""
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    flags = cpu_flags() if x86 else set()
+    # AMX: on the CPU's word only when the check runs here; HOMESPEC_AMX=off skips it.
+    amx = "amx_tile" in flags and os.environ.get("HOMESPEC_AMX", "auto") != "off" and amx_works()
+    if argv[:1] == ["cmake-args"]:
+        print(cmake_args(choose(flags, amx=amx)) if x86 else "")
+    elif argv[:1] == ["stamp"] and len(argv) == 3:
+        options = options_from_args(argv[2], flags, amx=amx) if x86 else {}
+        print(f"{write_stamp(Path(argv[1]), options)}: {key(options)}")
+    else:
+        print("usage: cpu_build.py cmake-args | stamp PACKAGE_DIR CMAKE_ARGS", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
