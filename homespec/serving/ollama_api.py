@@ -360,8 +360,8 @@ def done_reason(finish: str | None) -> str:
 
 def metrics(st: GenerationStats | None, *, load_s: float, total_s: float) -> dict[str, int]:
     """The final object's counts and durations (nanoseconds), from which clients compute
-    tokens/s: prompt tokens and their evaluation (cached ones count, as in Ollama), answer tokens
-    and the time spent writing them."""
+    tokens/s: the prompt tokens evaluated now (those served from the KV cache of earlier turns
+    cost nothing and are left out, so the rate is the real one) and the answer's tokens and time."""
     ns = 1_000_000_000
     out = {"total_duration": int(total_s * ns), "load_duration": int(load_s * ns)}
     if st is None:
@@ -369,7 +369,7 @@ def metrics(st: GenerationStats | None, *, load_s: float, total_s: float) -> dic
     decode_s = max(0.0, st.total_s - st.prefill_s)
     return {
         **out,
-        "prompt_eval_count": st.prompt_tokens,
+        "prompt_eval_count": st.prompt_tokens - st.cached_tokens,
         "prompt_eval_duration": int(st.prefill_s * ns),
         "eval_count": st.completion_tokens,
         "eval_duration": int(decode_s * ns),

@@ -118,10 +118,10 @@ def test_an_empty_generate_only_loads_and_a_suffix_alone_is_infill() -> None:
     assert ol.GenerateRequest(model="m", template="", context=[]).prompt == ""
 
 
-def test_metrics_are_nanoseconds_split_into_prompt_and_answer() -> None:
-    st = GenerationStats(prompt_tokens=30, completion_tokens=10, prefill_s=0.5, total_s=2.0)
+def test_metrics_are_nanoseconds_split_into_prompt_and_answer_and_count_only_evaluated_prompt_tokens() -> None:
+    st = GenerationStats(prompt_tokens=30, cached_tokens=10, completion_tokens=10, prefill_s=0.5, total_s=2.0)
     m = ol.metrics(st, load_s=0.25, total_s=2.5)
-    assert m == {"total_duration": 2_500_000_000, "load_duration": 250_000_000, "prompt_eval_count": 30,
+    assert m == {"total_duration": 2_500_000_000, "load_duration": 250_000_000, "prompt_eval_count": 20,
                  "prompt_eval_duration": 500_000_000, "eval_count": 10, "eval_duration": 1_500_000_000}
     assert ol.metrics(None, load_s=1.0, total_s=1.0) == {"total_duration": 10**9, "load_duration": 10**9}
 

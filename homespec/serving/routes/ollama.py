@@ -423,9 +423,10 @@ class _Reply:
         load_s = float(self.meta.get("load_s", 0.0))
         out.update(ol.metrics(ev.stats, load_s=load_s, total_s=time.perf_counter() - self.t0))
         if ev.stats is not None:  # homespec's figures, where Ollama's schema has room
-            # cached_tokens: prompt tokens served from the KV cache of earlier turns (OpenAI's
-            # usage has them; Ollama's counts have no place for them).
-            out["homespec"] = {**homespec_extra(self.daemon, ev.stats, self.meta), "cached_tokens": ev.stats.cached_tokens}
+            # The whole prompt and the part of it served from the KV cache of earlier turns
+            # (prompt_eval_count counts only the rest, the tokens evaluated now).
+            out["homespec"] = {**homespec_extra(self.daemon, ev.stats, self.meta),
+                               "prompt_tokens": ev.stats.prompt_tokens, "cached_tokens": ev.stats.cached_tokens}
         return out
 
 
