@@ -107,20 +107,27 @@ class InfillRequest(BaseModel):
         return None if n is None or n < 0 else n
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling overrides for build_request; None = the server's default."""
-        return {
-            "temperature": None if self.temperature is None else max(0.0, self.temperature),
-            "top_k": None if self.top_k is None else max(0, self.top_k),
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repeat_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "seed": None if self.seed is None or self.seed < 0 else self.seed,
-        }
+        return llama_sampling(self)
 
     def stops(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
+
+
+def llama_sampling(o: Any) -> dict[str, Any]:
+    """llama.cpp's sampling options, which Ollama shares (temperature, top_k, top_p, min_p,
+    repeat_penalty, presence_penalty, frequency_penalty, seed), as build_request's overrides;
+    None = the server's default. temperature <= 0 is greedy, top_k <= 0 off, a negative seed a
+    fresh one."""
+    return {
+        "temperature": None if o.temperature is None else max(0.0, o.temperature),
+        "top_k": None if o.top_k is None else max(0, o.top_k),
+        "top_p": o.top_p,
+        "min_p": o.min_p,
+        "repetition_penalty": o.repeat_penalty,
+        "presence_penalty": o.presence_penalty,
+        "frequency_penalty": o.frequency_penalty,
+        "seed": None if o.seed is None or o.seed < 0 else o.seed,
+    }
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

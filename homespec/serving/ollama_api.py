@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from homespec.config import Mode
-from homespec.serving.infill_api import PENALTY_LAST_N
+from homespec.serving.infill_api import PENALTY_LAST_N, llama_sampling
 from homespec.serving.openai_api import MAX_STOP, FunctionDef
 from homespec.serving.tool_calls import Call
 from homespec.speculation.engine import GenerationStats
@@ -155,17 +155,8 @@ class Options(BaseModel):
         return self
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling overrides for build_request; None = the daemon's default."""
-        return {
-            "temperature": self.temperature,
-            "top_k": None if self.top_k is None else max(0, self.top_k),
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repeat_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "seed": None if self.seed is None or self.seed < 0 else self.seed,
-        }
+        """The sampling overrides for build_request (llama.cpp's names and meanings)."""
+        return llama_sampling(self)
 
     def limit(self, n_ctx: int) -> int | None:
         """Tokens to write: None = the daemon's default (sampling.max_tokens); a negative
