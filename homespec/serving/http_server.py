@@ -37,6 +37,10 @@ class GuardedH11Protocol(H11Protocol):
 
     header_timeout_s: float = 10.0
     max_connections: int = 512
+    # This server's connections, oldest first (by opening or last answer): eviction walks from
+    # the front and stops at the first staller, instead of scanning every connection for each
+    # new one (a flood opens hundreds a second; uvicorn_config gives each server its own dict).
+    _by_age: dict[GuardedH11Protocol, None] = {}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._opened = time.monotonic()
@@ -46,6 +50,7 @@ class GuardedH11Protocol(H11Protocol):
             transport.close()
             return
         super().connection_made(transport)
+        self._by_age[self] = None
         self._arm()
 
     def on_response_complete(self) -> None:
@@ -55,6 +60,8 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._served += 1
         self._opened = time.monotonic()
+        self._by_age.pop(self, None)
+        self._by_age[self] = None  # now the youngest
         self._arm()
 
     def eof_received(self) -> bool | None:
@@ -69,6 +76,7 @@ class GuardedH11Protocol(H11Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._by_age.pop(self, None)
         if self._read_timer is not None:
             self._read_timer.cancel()
         if self.transport is not None:  # None: closed in connection_made, never registered
@@ -89,18 +97,25 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _evict_one(self) -> bool:
-        waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c._waiting()
-                   and not c.transport.is_closing()]
-        if not waiting:
-            return False
-        min(waiting, key=lambda c: (c._served > 0, c._opened)).transport.close()
-        return True
+        """Close the oldest staller, else the oldest idle keep-alive connection; False if every
+        connection is busy with a request."""
+        idle: GuardedH11Protocol | None = None
+        for c in self._by_age:
+            if c._waiting() and not c.transport.is_closing():
+                if c._served == 0:
+                    c.transport.close()
+                    return True
+                idle = idle or c
+        if idle is not None:
+            idle.transport.close()
+            return True
+        return False
 
 
 def uvicorn_config(app: ASGIApp, server: ServerConfig, **kw: Any) -> uvicorn.Config:
     """The uvicorn settings `homespec serve` runs with (tests start their servers with it too)."""
     protocol = type("HomespecH11Protocol", (GuardedH11Protocol,), {
-        "header_timeout_s": server.header_timeout_s, "max_connections": server.max_connections})
+        "header_timeout_s": server.header_timeout_s, "max_connections": server.max_connections, "_by_age": {}})
     kw.setdefault("timeout_graceful_shutdown", max(1, int(server.drain_timeout_s)))
     return uvicorn.Config(app, host=server.host, port=server.port, http=protocol, timeout_keep_alive=server.keep_alive_s,
                           access_log=False, **kw)
