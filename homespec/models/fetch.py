@@ -476,20 +476,23 @@ def pull(
 # --- config -------------------------------------------------------------------------------------
 
 
+def _registry_entry(cfg: Config, ref: ModelRef) -> RegistryEntry:
+    assert ref.name is not None  # ModelRef's validator guarantees a name or a path
+    return get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name)
+
+
 def model_file(cfg: Config, ref: ModelRef) -> Path:
     """Where a config entry's GGUF file lives, without reading it (it may not exist yet)."""
     if ref.path is not None:
         return cfg.resolve(ref.path)
-    assert ref.name is not None  # ModelRef's validator guarantees a name or a path
-    entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name)
-    return cfg.resolve(cfg.models.dir) / entry.file
+    return cfg.resolve(cfg.models.dir) / _registry_entry(cfg, ref).file
 
 
 def known_sha256(cfg: Config, ref: ModelRef) -> str | None:
     """The model's sha256 as already known, without hashing: the registry's, or the checksum
     recorded when a `path:` model was first loaded (None before that)."""
     if ref.path is None:
-        return get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name or "").sha256
+        return _registry_entry(cfg, ref).sha256
     try:
         sha = json.loads(local_stamp_path(model_file(cfg, ref)).read_text()).get("sha256")
     except (OSError, ValueError, AttributeError):
@@ -504,13 +507,14 @@ def resolve_model_path(cfg: Config, ref: ModelRef, progress: HashProgress | None
     in full only when its stamp is missing or stale), or when a `path:` model changed since its
     checksum was recorded. `progress` defaults to a line on stderr for files of 256 MiB and more.
     """
-    path = model_file(cfg, ref)
     if ref.path is not None:
+        path = model_file(cfg, ref)
         if not path.is_file():
             raise ModelError(f"model file {path} not found (set as `path` in the config)")
         check_local_model(path, progress or _stderr_progress(path))
         return path
-    entry = get_entry(load_registry(cfg.resolve(cfg.models.registry)), ref.name or "")
+    entry = _registry_entry(cfg, ref)  # the registry is read once
+    path = cfg.resolve(cfg.models.dir) / entry.file
     if not path.is_file():
         raise ModelError(f"model {ref.name} not found at {path}; run `homespec models pull`")
     check_registry_model(path, entry, progress or _stderr_progress(path))

@@ -367,10 +367,11 @@ def metrics(st: GenerationStats | None, *, load_s: float, total_s: float) -> dic
     }
 
 
-def tool_calls(calls: list[Call]) -> list[dict[str, Any]]:
-    """Calls in Ollama's shape: arguments as an object, an index per call."""
+def tool_calls(calls: list[Call], start: int = 0) -> list[dict[str, Any]]:
+    """Calls in Ollama's shape: arguments as an object, an index per call (from `start`, the
+    number of calls of this answer already sent)."""
     return [{"id": c.id, "function": {"index": i, "name": c.name, "arguments": json.loads(c.arguments)}}
-            for i, c in enumerate(calls)]
+            for i, c in enumerate(calls, start)]
 
 
 def parameter_size(n_params: int, size_label: Any) -> str:

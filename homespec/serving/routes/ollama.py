@@ -184,7 +184,8 @@ async def pull(request: Request, body: ol.ModelRequest) -> Any:
     wanted = body.wanted.removesuffix(":latest")
     target = cfg.models.target
     if wanted in served_names(cfg) and target.path is not None:
-        return _pull_answer(body.stream, [{"status": "success"}])
+        ok = {"status": "success"}
+        return Response(_line(ok), media_type=NDJSON) if body.stream else JSONResponse(ok)
     try:
         registry = await asyncio.to_thread(load_registry, cfg.resolve(cfg.models.registry))
     except ModelError as e:
@@ -202,12 +203,6 @@ async def pull(request: Request, body: ol.ModelRequest) -> Any:
             raise oa.ApiError(500, str(e), type="server_error") from None
         return {"status": "success"}
     return StreamingResponse(_pull_progress(entry, models_dir), media_type=NDJSON)
-
-
-def _pull_answer(stream: bool, lines: list[dict]) -> Response:
-    if not stream:
-        return JSONResponse(lines[-1])
-    return Response("".join(_line(x).decode() for x in lines), media_type=NDJSON)
 
 
 async def _pull_progress(entry: Any, models_dir: Path) -> AsyncIterator[bytes]:
@@ -364,7 +359,6 @@ class _Reply:
     def __init__(self, daemon: Daemon, kind: str, model: str, tools: ToolUse | None, started: dict, t0: float) -> None:
         self.daemon, self.kind, self.model, self.tools, self.meta, self.t0 = daemon, kind, model, tools, started, t0
         self.calls = CallStream(tools.fmt, tools.names) if tools is not None else None
-        self.n_calls = 0
         self.text: list[str] = []
         self.logprobs: list[dict] = []
 
@@ -388,12 +382,9 @@ class _Reply:
         content, calls = self.calls.push(ev.text) if self.calls is not None else (ev.text, [])
         lps = self._logprobs(ev)
         out = [self._obj(content, logprobs=lps)] if content or lps else []
-        if calls:
-            shaped = ol.tool_calls(calls)
-            for c in shaped:
-                c["function"]["index"] += self.n_calls
-            self.n_calls += len(calls)
-            out.append(self._obj("", shaped))
+        if calls:  # numbered on from the calls sent before (CallStream keeps them all)
+            assert self.calls is not None
+            out.append(self._obj("", ol.tool_calls(calls, start=len(self.calls.calls) - len(calls))))
         return out
 
     def finish(self, ev: JobEvent) -> list[dict[str, Any]]:
