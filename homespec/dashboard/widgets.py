@@ -325,7 +325,9 @@ class QueueLine(Widget):
             return Text("queue –", style="dim")
         q, pc = self.stats.queue, self.stats.prefix_cache
         busy = "yellow" if q.waiting else ""
-        line = _row(f"running {q.running} · ", (f"waiting {q.waiting}", busy), f" of {q.max_waiting}")
+        line = _row(f"running {q.running}/{q.parallel} · ", (f"waiting {q.waiting}", busy), f"/{q.max_waiting}")
+        if q.batch_rows is not None and q.parallel > 1:
+            line.append(f" · {q.batch_rows:.1f} rows/pass")
         if pc.hit_ratio is not None:
             line.append(f" · prefix hits {100 * pc.hit_ratio:.0f}%")
         return _lines([line])
@@ -335,7 +337,8 @@ STATUS_STYLE = {"ok": "green", "cancelled": "yellow", "timeout": "yellow", "erro
 
 
 class RequestTable(DataTable):
-    """Recent requests, newest first: arrival time, tokens, tok/s, speedup, status."""
+    """The running set (slot and priority), then recent requests, newest first: arrival time,
+    tokens, tok/s, speedup, status."""
 
     stats: reactive[StatsView | None] = reactive(None)
 
@@ -355,6 +358,14 @@ class RequestTable(DataTable):
         if not self.columns:
             return  # not mounted yet: on_mount fills in
         self.clear()
+        for a in s.queue.requests if s else []:
+            self.add_row(
+                f"slot {a.slot}" + (f" p{a.priority:+d}" if a.priority else ""),
+                Text(f"{a.completion_tokens:,}", justify="right"),
+                Text(num(a.tok_s), justify="right"),
+                Text("–", justify="right"),
+                Text("running", style="cyan"),
+            )
         for r in s.requests if s else []:
             when = datetime.fromtimestamp(r.time, self.tz).strftime("%H:%M:%S")
             self.add_row(

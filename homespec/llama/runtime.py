@@ -1,7 +1,8 @@
 """A thin wrapper over llama-cpp-python's low-level API: the only module that touches llama_cpp.
 
-One `Runtime` is one model, one context and one KV-cache sequence (seq 0). It remembers which
-tokens its KV cache holds (`tokens`), so callers speak in token lists:
+One `Runtime` is one model and one context. Its KV cache holds `n_seq` sequences (slots, for
+requests decoded together); the Runtime itself speaks for sequence 0, `slot(i)` for any. Each
+remembers which tokens its KV cache holds (`tokens`), so callers speak in token lists:
 
     rt.eval(tokens, output="all")  -> logits [n, vocab] for the appended tokens
     rt.truncate(n)                 -> drop cache entries from position n on
@@ -13,6 +14,12 @@ tokens its KV cache holds (`tokens`), so callers speak in token lists:
 It asks llama.cpp for logits only at the positions it uses (the batch's per-token output flags):
 the high-level `Llama(logits_all=True)` keeps an n_ctx x vocab array and runs the output layer
 over the whole prompt (DESIGN.md: +1.1 GB RSS, +8 % prefill).
+
+Several sequences: `eval_many` packs tokens of several slots into one llama_decode. The cache is
+unified (one buffer for all sequences, `kv_unified`): with a cache per sequence llama.cpp splits a
+batch into ubatches holding equally many tokens of every sequence (llama_batch_allocr::
+split_equal), so a request's 5 verify rows beside another's 1 would cost several passes. Each
+slot may hold n_ctx tokens; the buffer holds n_ctx x n_seq.
 """
 
 from __future__ import annotations
@@ -99,10 +106,14 @@ class RuntimeOptions:
     # batch while embeddings are on, so only the last hidden_window positions of a prefill are
     # evaluated with them on; speculative steps output every position anyway (cost ~0).
     hidden_window: int = 0
+    # KV-cache sequences (slots): requests decoded together, each holding up to n_ctx tokens.
+    # Hidden states are kept for slot 0 only (the MTP head serves the slot a lone request gets).
+    n_seq: int = 1
 
 
 class Runtime:
-    """One GGUF model with one KV-cache sequence. Not thread-safe: one caller at a time."""
+    """One GGUF model; its own Target methods act on KV-cache sequence 0, `slot(i)` reaches the
+    others. Not thread-safe: one caller at a time."""
 
     def __init__(self, path: str | Path, opts: RuntimeOptions = RuntimeOptions()) -> None:
         _init_backend()
@@ -136,10 +147,11 @@ class Runtime:
 
         threads = opts.n_threads or physical_cores()
         cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = opts.n_ctx
+        cp.n_ctx = opts.n_ctx * opts.n_seq
         cp.n_batch = opts.n_batch
         cp.n_ubatch = opts.n_batch
-        cp.n_seq_max = 1
+        cp.n_seq_max = opts.n_seq
+        cp.kv_unified = True  # one ubatch for a mixed batch (module docstring)
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.embeddings = opts.embeddings
@@ -151,11 +163,12 @@ class Runtime:
             llama_cpp.llama_model_free(self._model)
             self._model = None
             raise ModelError(f"llama.cpp could not create a context of {opts.n_ctx} tokens for {self.path}")
-        self.n_ctx: int = llama_cpp.llama_n_ctx(self._ctx)
+        self.n_ctx: int = llama_cpp.llama_n_ctx(self._ctx) // opts.n_seq  # tokens per sequence
         self.n_threads = threads
         self._mem = llama_cpp.llama_get_memory(self._ctx)
         self._batch = llama_cpp.llama_batch_init(opts.n_batch, 0, 1)
-        self.tokens: list[int] = []  # what the KV cache holds, position i = tokens[i]
+        self._slots = [Slot(self, i) for i in range(opts.n_seq)]
+        self.tokens: list[int] = self._slots[0].tokens  # what sequence 0 holds, position i = tokens[i]
         self.eog_ids: frozenset[int] = frozenset(
             t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)
         )
@@ -288,6 +301,62 @@ class Runtime:
             raise RuntimeError(f"llama_decode failed with code {rc} at position {pos0} ({len(chunk)} tokens)")
         self.tokens.extend(int(t) for t in chunk)
 
+    def slot(self, i: int) -> Slot:
+        """KV-cache sequence i as a Target of its own (slot(0) shares this Runtime's cache)."""
+        return self._slots[i]
+
+    @property
+    def n_seq(self) -> int:
+        return len(self._slots)
+
+    @property
+    def n_batch(self) -> int:
+        """Tokens one llama_decode takes at most."""
+        return self.opts.n_batch
+
+    def eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]]) -> list[np.ndarray]:
+        """One llama_decode over tokens of several slots: appends each part's tokens to its
+        slot; returns each part's logits ([n_out, vocab], as `eval`). The parts name distinct
+        slots and hold at most n_batch tokens together (the caller chunks a long prefill)."""
+        n = sum(len(toks) for _, toks, _ in parts)
+        if n > self.opts.n_batch:
+            raise ValueError(f"{n} tokens in one pass; n_batch is {self.opts.n_batch}")
+        if len({slot.seq for slot, _, _ in parts}) != len(parts):
+            raise ValueError("eval_many: two parts name the same slot")
+        for slot, toks, _ in parts:
+            if len(slot.tokens) + len(toks) > self.n_ctx:
+                raise ContextFull(len(slot.tokens) + len(toks), self.n_ctx)
+        if n == 0:
+            return [np.empty((0, self.n_vocab), np.float32) for _ in parts]
+        self._set_embeddings(False)  # the hidden states of slot 0 stop being contiguous here
+        self._hid_n = 0
+        b = self._batch
+        i = 0
+        n_out: list[int] = []  # [parts] rows of logits each part gets
+        for slot, toks, output in parts:
+            pos0 = len(slot.tokens)
+            for j, tok in enumerate(toks):
+                b.token[i] = tok
+                b.pos[i] = pos0 + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = slot.seq
+                b.logits[i] = output == "all" or (output == "last" and j == len(toks) - 1)
+                i += 1
+            n_out.append({"all": len(toks), "last": 1 if toks else 0, "none": 0}[output])
+        b.n_tokens = n
+        rc = llama_cpp.llama_decode(self._ctx, b)
+        if rc != 0:
+            for slot, _, _ in parts:  # as in _decode: the caches again hold exactly .tokens
+                llama_cpp.llama_memory_seq_rm(self._mem, slot.seq, len(slot.tokens), -1)
+            raise RuntimeError(f"llama_decode failed with code {rc} ({n} tokens of {len(parts)} sequences)")
+        rows = self._read(llama_cpp.llama_get_logits(self._ctx), sum(n_out), self.n_vocab) if sum(n_out) else None
+        out, r = [], 0
+        for (slot, toks, _), m in zip(parts, n_out):
+            slot.tokens.extend(int(t) for t in toks)
+            out.append(rows[r : r + m] if rows is not None and m else np.empty((0, self.n_vocab), np.float32))
+            r += m
+        return out
+
     @staticmethod
     def _read(ptr: ctypes._Pointer, rows: int, cols: int) -> np.ndarray:
         # The buffer is overwritten by the next decode: copy.
@@ -295,15 +364,18 @@ class Runtime:
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions of the cache; RuntimeError when llama.cpp cannot."""
-        if n < len(self.tokens):
-            if not llama_cpp.llama_memory_seq_rm(self._mem, 0, n, -1):
+        self._truncate(0, self.tokens, n)
+        self._hid_n = max(0, min(self._hid_n, n - self._hid_start))
+
+    def _truncate(self, seq: int, tokens: list[int], n: int) -> None:
+        if n < len(tokens):
+            if not llama_cpp.llama_memory_seq_rm(self._mem, seq, n, -1):
                 # Only a recurrent or hybrid memory refuses (refused at load). Clearing instead
                 # would let decoding go on from position 0 as if the context were still there.
                 raise RuntimeError(
-                    f"llama.cpp could not truncate the KV cache of {self.path.name} to {n} of {len(self.tokens)} positions"
+                    f"llama.cpp could not truncate the KV cache of {self.path.name} to {n} of {len(tokens)} positions"
                 )
-            del self.tokens[n:]
-            self._hid_n = max(0, min(self._hid_n, n - self._hid_start))
+            del tokens[n:]
 
     def sync(self, context: Sequence[int], output: Output = "last") -> np.ndarray:
         """Make the cache hold `context`, reusing the longest common prefix already cached.
@@ -318,27 +390,29 @@ class Runtime:
         return self.eval(context[keep:], output)
 
     def reset(self) -> None:
-        llama_cpp.llama_memory_clear(self._mem, True)
-        self.tokens.clear()
+        """Empty sequence 0 (the other slots keep theirs)."""
+        self._slots[0].reset()
         self._hid_start = self._hid_n = 0
 
     # -- saved states (prefix cache) ----------------------------------------------------------
 
     def save_state(self) -> bytes:
         """The KV cache of seq 0 as bytes (restore with load_state)."""
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, 0)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, 0)
-        return bytes(buf[:n])
+        return self._slots[0].save_state()
 
     def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
-        self.reset()
+        self._slots[0].load_state(data, tokens)
+        self._hid_start, self._hid_n = len(self.tokens), 0  # a restored cache comes without hidden states
+
+    def _save_seq(self, seq: int) -> bytes:
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return bytes(buf[:n])
+
+    def _load_seq(self, seq: int, data: bytes) -> bool:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), 0) == 0:
-            self.reset()
-            raise RuntimeError("llama.cpp refused a saved KV state")
-        self.tokens = list(tokens)
-        self._hid_start = len(self.tokens)  # a restored cache comes without hidden states
+        return llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq) != 0
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -503,6 +577,76 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Slot:
+    """One KV-cache sequence of a Runtime, as a Target of its own (a request's view of the shared
+    context). Slot 0 is the Runtime's own sequence: its evaluation goes through Runtime.eval,
+    which keeps the hidden states."""
+
+    def __init__(self, rt: Runtime, seq: int) -> None:
+        self.rt, self.seq = rt, seq
+        self.tokens: list[int] = []  # what this sequence holds, position i = tokens[i]
+
+    @property
+    def n_ctx(self) -> int:
+        return self.rt.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self.rt.n_vocab
+
+    def eval(self, tokens: Sequence[int], output: Output = "all") -> np.ndarray:
+        if self.seq == 0:
+            return self.rt.eval(tokens, output)
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise ContextFull(len(self.tokens) + len(tokens), self.n_ctx)
+        step = self.rt.opts.n_batch
+        outs = []
+        for a in range(0, len(tokens), step):
+            last = a + step >= len(tokens)
+            chunk_out: Output = output if output == "all" or last else "none"
+            outs.append(self.rt.eval_many([(self, tokens[a : a + step], chunk_out)])[0])
+        return np.concatenate(outs) if len(outs) > 1 else outs[0] if outs else np.empty((0, self.n_vocab), np.float32)
+
+    def sync(self, context: Sequence[int], output: Output = "last") -> np.ndarray:
+        keep = common_prefix(self.tokens, context)
+        if output != "none":
+            keep = min(keep, len(context) - 1)
+        self.truncate(keep)
+        return self.eval(context[keep:], output)
+
+    def truncate(self, n: int) -> None:
+        if self.seq == 0:
+            self.rt.truncate(n)
+        else:
+            self.rt._truncate(self.seq, self.tokens, n)
+
+    def reset(self) -> None:
+        llama_cpp.llama_memory_seq_rm(self.rt._mem, self.seq, -1, -1)
+        self.tokens.clear()
+        if self.seq == 0:
+            self.rt._hid_start = self.rt._hid_n = 0
+
+    def save_state(self) -> bytes:
+        """This sequence's KV cache as bytes (restore with load_state)."""
+        return self.rt._save_seq(self.seq)
+
+    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        self.reset()
+        if not self.rt._load_seq(self.seq, data):
+            self.reset()
+            raise RuntimeError("llama.cpp refused a saved KV state")
+        self.tokens[:] = tokens  # in place: Runtime.tokens is slot 0's list
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.rt.piece(token, special)
+
+    def is_eog(self, token: int) -> bool:
+        return self.rt.is_eog(token)
+
+    def close(self) -> None:
+        """The Runtime owns the context: closing a view frees nothing."""
 
 
 class ContextFull(Exception):

@@ -90,7 +90,7 @@ class ModelSet:
             return
         path = resolve_model_path(cfg, cfg.models.draft)
         check_tokenizer_compat(self.target_path, path)  # raises IncompatibleTokenizer
-        self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx))
+        self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx, slots=self.target.n_seq))
         self.draft_path = path
 
     def unload_draft(self) -> None:
@@ -105,7 +105,8 @@ class ModelSet:
 
 
 def runtime_options(
-    cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0
+    cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0,
+    slots: int = 1,
 ) -> RuntimeOptions:
     r = cfg.runtime
     return RuntimeOptions(
@@ -118,11 +119,13 @@ def runtime_options(
         embeddings=embeddings,
         hidden_window=hidden_window,
         flash_attn=r.flash_attn_for(n_gpu_layers),
+        n_seq=slots,
     )
 
 
-def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = None) -> ModelSet:
-    """Open the target (and the draft unless told not to, and the MTP head when configured)."""
+def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = None, slots: int = 1) -> ModelSet:
+    """Open the target (and the draft unless told not to, and the MTP head when configured);
+    slots: KV sequences of each model, for requests decoded together."""
     t0 = time.perf_counter()
     target_path = resolve_model_path(cfg, cfg.models.target)
     if with_draft and cfg.models.draft:
@@ -131,7 +134,7 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
     mtp_path = cfg.resolve(cfg.models.mtp) if cfg.models.mtp else None
     # The head attends over the target's last `window` hidden states: the target must keep them.
     window = head_window(mtp_path) if mtp_path else 0  # reads the header only: no torch yet
-    target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx, hidden_window=window))
+    target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx, hidden_window=window, slots=slots))
     head = None
     if mtp_path:
         try:
@@ -149,12 +152,13 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         ms.load_draft(cfg)
     ms.load_s = time.perf_counter() - t0
     log.info(
-        "loaded target %s%s%s in %.1f s (n_ctx %d, %d threads)",
+        "loaded target %s%s%s in %.1f s (n_ctx %d%s, %d threads)",
         target_path.name,
         f" + draft {ms.draft_path.name}" if ms.draft_path else "",
         f" + MTP head {mtp_path.name}" if mtp_path else "",
         ms.load_s,
         target.n_ctx,
+        f" x {slots} sequences" if slots > 1 else "",
         target.n_threads,
     )
     return ms

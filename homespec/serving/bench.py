@@ -205,8 +205,8 @@ class _AutoRecorder:
     def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
         return self.c.begin(prompt, sampled)
 
-    def decide(self, context: Sequence[int]) -> Decision:
-        d = self.c.decide(context)
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+        d = self.c.decide(context, alongside)
         gains = self.c.view.gains.get(d.name)
         self.expected.append(gains[d.k - 1] if d.k and gains else 1.0)
         return d

@@ -1,5 +1,6 @@
-"""The model host behind the HTTP API: loads and warms the models, runs one generation at a
-time from a FIFO queue, keeps them warm (or unloads them after keep_alive), watches memory
+"""The model host behind the HTTP API: loads and warms the models, runs up to server.parallel
+generations together from a priority queue (one target pass per round for all of them,
+speculation/batch.py), keeps the models warm (or unloads them after keep_alive), watches memory
 headroom, and publishes live stats.
 
 It knows sessions and jobs, not HTTP: the server hands it a `Job` with a `sink` callback and
@@ -33,8 +34,9 @@ from homespec.models.memory_watch import HeadroomWatcher
 from homespec.mtp.checkpoint import head_ram
 from homespec.serving.host import GenerationRequest, Host
 from homespec.serving.stats import LiveStats, Metrics
-from homespec.serving.stats_schema import DaemonState, RequestRecord
-from homespec.speculation.engine import GenerationStats, PromptTooLong
+from homespec.serving.stats_schema import DaemonState, RequestRecord, RunningRequest
+from homespec.speculation.batch import Batch
+from homespec.speculation.engine import Event, GenerationStats, PromptTooLong
 from homespec.speculation.sampling import TokenLogprob
 from homespec.speculation.target import Target
 
@@ -81,12 +83,27 @@ class Job:
     # How long the models stay loaded once this job ends (Ollama's per-request keep_alive):
     # None = memory.keep_alive_s, math.inf = until told otherwise, 0 = unload at once.
     keep_alive_s: float | None = None
+    # Higher first: admitted before lower ones, its prompt read first (X-Homespec-Priority).
+    priority: int = 0
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+@dataclass
+class _Active:
+    """A job generating now, in KV sequence `slot`."""
+
+    job: Job
+    slot: int
+    stats: GenerationStats
+    mode: Mode
+    cold: bool
+    t0: float  # perf_counter when it started
+    deadline: float  # monotonic
 
 
 class Daemon:
@@ -115,7 +132,9 @@ class Daemon:
         self.memory_events: collections.deque[str] = collections.deque(maxlen=20)
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
-        self._running: Job | None = None
+        self._active: dict[str, _Active] = {}  # job id -> the jobs generating now
+        self._batch: Batch | None = None  # drives them (one per loaded session)
+        self.mean_batch_rows: float | None = None  # tokens per target pass, EWMA over ~10 passes
         self._accepting = True
         self._stop = False
         self._last_active = time.monotonic()
@@ -156,11 +175,11 @@ class Daemon:
         self.begin_drain()
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._running is not None and time.monotonic() < deadline:
+            while self._active and time.monotonic() < deadline:
                 self._cv.wait(0.1)
-            finished = self._running is None
-            if self._running is not None:
-                self._running.cancel()
+            finished = not self._active
+            for a in self._active.values():
+                a.job.cancel()
             self._stop = True
             self._cv.notify_all()
         self._worker.join(timeout=10)
@@ -195,12 +214,12 @@ class Daemon:
                 raise NotReady(self.state, retry_after_s=5)
             if self.state == "failed" and not (self._retry_load and self._worker.is_alive()):
                 raise NotReady(f"failed to load: {self.error}", retry_after_s=60)
-            # Room for one running job plus queue_depth waiting. Count them together: a job the
+            # Room for the running jobs plus queue_depth waiting. Count them together: a job the
             # worker has not popped yet is about to run, so whether it still sits in the queue
             # (a thread-scheduling race) must not decide between 200 and 429.
-            in_system = len(self._queue) + (self._running is not None)
-            if in_system >= self.cfg.server.queue_depth + 1:
-                raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1))
+            in_system = len(self._queue) + len(self._active)
+            if in_system >= self.cfg.server.queue_depth + self.cfg.server.parallel:
+                raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1) / self.cfg.server.parallel)
             self._queue.append(job)
             self.metrics.queue_waiting.set(len(self._queue))
             self._cv.notify_all()
@@ -219,7 +238,7 @@ class Daemon:
 
     def queue_view(self) -> tuple[int, int]:
         with self._cv:
-            return (1 if self._running else 0), len(self._queue)
+            return len(self._active), len(self._queue)
 
     # -- worker ---------------------------------------------------------------------------------
 
@@ -231,32 +250,97 @@ class Daemon:
             self.state, self.error = "failed", str(e)
             self.on_failed(str(e))
             return
-        while True:
-            with self._cv:
-                while not self._queue and not self._stop:
-                    self._progress = time.monotonic()
-                    self._apply_control()
-                    self._maybe_unload()  # before waiting: keep_alive 0 unloads at once
-                    self._cv.wait(1.0)
-                if self._stop:
-                    return
-                self._apply_control()
-                job = self._queue.popleft()
-                self._running = job
-                self.metrics.queue_waiting.set(len(self._queue))
-                self.metrics.queue_running.set(1)
-            try:
-                self._run(job)
-            except Exception as e:  # never let one request kill the worker
-                log.exception("request %s failed", job.id)
-                job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
-            finally:
+        try:
+            while True:
                 with self._cv:
-                    self._running = None
-                    self._last_active = time.monotonic()
-                    self._keep_alive_s = self._keep_alive_after(job)
-                    self.metrics.queue_running.set(0)
-                    self._cv.notify_all()
+                    while not self._queue and not self._active and not self._stop:
+                        self._progress = time.monotonic()
+                        self._apply_control()
+                        self._maybe_unload()  # before waiting: keep_alive 0 unloads at once
+                        self._cv.wait(1.0)
+                    if self._stop:
+                        return
+                    if not self._active:  # the draft is shed or taken back between generations
+                        self._apply_control()
+                    admitted = self._admit()
+                    self.metrics.queue_waiting.set(len(self._queue))
+                for job in admitted:
+                    self._guarded(job, self._start)
+                if self._active:
+                    self._round()
+        finally:
+            self._end_all("the daemon is shutting down")
+
+    def _admit(self) -> list[Job]:
+        """Jobs to start now (lock held): the highest priority first, then the oldest, while
+        slots are free. A job that loads or unloads the models runs alone, as does the first
+        job after an unload (it loads them)."""
+        out: list[Job] = []
+        while self._queue:
+            job = max(self._queue, key=lambda j: j.priority)  # max keeps the first (oldest) of equals
+            busy = len(self._active) + len(out)
+            alone = job.encode is None or self.session is None
+            if busy and (alone or busy >= self.parallel()):
+                break
+            self._queue.remove(job)
+            out.append(job)
+            if alone:
+                break
+        return out
+
+    def parallel(self) -> int:
+        """Requests that may generate together now (one until the models are loaded)."""
+        session = self.session
+        return min(self.cfg.server.parallel, session.slots) if session is not None else 1
+
+    def running_view(self) -> list[RunningRequest]:
+        """The running set, for /v1/homespec/stats (read from the HTTP thread)."""
+        with self._cv:
+            active = list(self._active.values())
+        now = time.perf_counter()
+        out = []
+        for a in active:
+            st = a.stats
+            decoding = now - a.t0 - st.ttft_s if st.ttft_s else 0.0
+            out.append(RunningRequest(
+                id=a.job.id, slot=a.slot, priority=a.job.priority, mode=a.mode, prompt_tokens=st.prompt_tokens,
+                completion_tokens=st.completion_tokens, age_s=round(now - a.t0, 2),
+                tok_s=(st.completion_tokens - 1) / decoding if decoding > 0 and st.completion_tokens > 1 else None,
+            ))
+        return out
+
+    def _guarded(self, job: Job, fn: Callable[[Job], None]) -> None:
+        """Never let one request kill the worker."""
+        try:
+            fn(job)
+        except Exception as e:
+            log.exception("request %s failed", job.id)
+            self._drop(job.id)
+            job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
+            self._job_ended(job)
+
+    def _job_ended(self, job: Job) -> None:
+        with self._cv:
+            self._active.pop(job.id, None)
+            self._last_active = time.monotonic()
+            self._keep_alive_s = self._keep_alive_after(job)
+            self.metrics.queue_running.set(len(self._active))
+            self._cv.notify_all()
+
+    def _drop(self, job_id: str) -> None:
+        if self._batch is not None:
+            self._batch.remove(job_id)
+
+    def _end_all(self, why: str) -> None:
+        """The worker stops: jobs cancelled by shutdown() end as cancelled (as between steps),
+        any other one with an error saying why."""
+        for a in list(self._active.values()):
+            if a.job.cancelled.is_set():
+                self._finish(a, "cancelled")
+                continue
+            self._drop(a.job.id)
+            a.job.sink(JobEvent("error", text=why, status=503, code="shutting_down", stats=a.stats))
+            self._job_ended(a.job)
 
     def _plan(self) -> LoadPlan:
         """memory.policy applied to the estimated footprints; raises InsufficientMemory."""
@@ -274,8 +358,13 @@ class Daemon:
             # backend supports it, so only an explicit off plans for the buffer without it.
             flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers) is not False,
         )
-        plan = plan_load(at, read_headroom(), cfg.memory, n_ctx=cfg.runtime.n_ctx).require()
-        self.footprints = at(plan.n_ctx)
+        slots = cfg.server.parallel  # each request decoding at once has a KV sequence of n_ctx
+
+        def at_slots(n_ctx: int) -> tuple[Any, Any]:
+            return at(n_ctx * slots)
+
+        plan = plan_load(at_slots, read_headroom(), cfg.memory, n_ctx=cfg.runtime.n_ctx).require()
+        self.footprints = at_slots(plan.n_ctx)
         return plan
 
     def _watch(self, plan: LoadPlan) -> None:
@@ -313,7 +402,7 @@ class Daemon:
         self.state = "loading"
         t0 = time.perf_counter()
         self.plan = plan = self._plan()
-        session = self._open(self.cfg, with_draft=plan.load_draft, n_ctx=plan.n_ctx)
+        session = self._open(self.cfg, with_draft=plan.load_draft, n_ctx=plan.n_ctx, slots=self.cfg.server.parallel)
         self.load_s = time.perf_counter() - t0
         self.state = "warming"
         self._progress = time.monotonic()
@@ -327,6 +416,7 @@ class Daemon:
         self.template_source = session.models.template.source
         self.can_infill = not session.models.target.fim_tokens().missing
         self.session = session
+        self._batch = session.batch(self.cfg.server.prefill_chunk)
         self.cold_loads += cold
         self.state, self.error, self._retry_load = "ready", None, False
         self.metrics.warm.set(1)
@@ -354,6 +444,9 @@ class Daemon:
         if self.session is None:
             return
         log.info("%s: unloading models", why)
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
         self.session.close()
         self.session = None
         self.state = "unloaded"
@@ -371,14 +464,14 @@ class Daemon:
         ka = self._keep_alive_s
         if ka is None:
             return math.inf
-        busy = self._running is not None
+        busy = bool(self._active)
         idle_from = time.monotonic() if busy else self._last_active
         return time.time() + (idle_from + ka - time.monotonic())
 
-    def _run(self, job: Job) -> None:
+    def _start(self, job: Job) -> None:
+        """Load the models if they are not, encode the prompt, and add the job to the batch."""
         t0 = time.perf_counter()
         self._progress = time.monotonic()
-        deadline = time.monotonic() + job.timeout_s
         if job.cancelled.is_set():  # the client left while the job waited for its turn
             self._record_abandoned(job)
             return
@@ -386,68 +479,115 @@ class Daemon:
             self._unload("a request asked (keep_alive 0)")
             job.sink(JobEvent("started", extra={"prompt_tokens": 0, "cold": False, "load_s": 0.0}))
             job.sink(JobEvent("done", finish_reason="unload"))
+            self._job_ended(job)
             return
         cold = self.session is None
-        t_load = time.perf_counter()
         if cold:
             try:
                 self._load(cold=True)
             except Exception as e:
                 self._reload_failed(job, e)
+                self._job_ended(job)
                 return
-        load_s = time.perf_counter() - t_load  # seconds this job waited for the models
+        load_s = time.perf_counter() - t0  # seconds this job waited for the models
         if job.encode is None:  # Ollama's empty request: load the models, generate nothing
             job.sink(JobEvent("started", extra={"prompt_tokens": 0, "cold": cold, "load_s": load_s}))
             job.sink(JobEvent("done", finish_reason="load"))
+            self._job_ended(job)
             return
+        session, batch = self.session, self._batch
+        assert session is not None and batch is not None
+        req = job.request
+        if req.mode == Mode.AUTO and self.mode != Mode.AUTO:
+            req = dataclasses.replace(req, mode=self.mode)
+        stats = GenerationStats()
+        try:
+            tokens = job.encode(session.models)
+            free = sorted(set(range(session.slots)) - {a.slot for a in self._active.values()})
+            slot = session.pick_slot(tokens, free)
+            steps = session.steps(tokens, req, slot, stats)
+        except PromptTooLong as e:
+            return self._refuse(job, str(e), "context_length_exceeded")
+        except UserError as e:
+            return self._refuse(job, str(e), "invalid_request")
+        except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text
+            return self._refuse(job, f"text is not valid Unicode: {e.reason} at position {e.start}", "invalid_request")
+        job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode, "load_s": load_s}))
+        self.metrics.queue_wait.labels(str(job.priority)).observe(max(0.0, time.time() - job.created - load_s))
+        a = _Active(job, slot, stats, req.mode, cold, t0, time.monotonic() + job.timeout_s)
+        with self._cv:
+            self._active[job.id] = a
+            self.metrics.queue_running.set(len(self._active))
+        for ev in batch.add(job.id, steps, job.priority):
+            self._deliver(a, ev)
+
+    def _refuse(self, job: Job, text: str, code: str) -> None:
+        job.sink(JobEvent("error", text=text, status=400, code=code))
+        self._job_ended(job)
+
+    def _round(self) -> None:
+        """One target pass for every running job; relay what it produced, end what is done."""
+        batch = self._batch
+        assert batch is not None
+        try:
+            events = batch.step()
+        except Exception as e:  # a failed pass leaves no request in a known state: end them all
+            log.exception("a batched pass failed")
+            for a in list(self._active.values()):
+                self._drop(a.job.id)
+                a.job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
+                self._job_ended(a.job)
+            return
+        self._progress = time.monotonic()
+        if batch.last is not None:
+            self.metrics.batch_sequences.observe(batch.last.sequences)
+            self.metrics.batch_rows.observe(batch.last.rows)
+            self.mean_batch_rows = (batch.last.rows if self.mean_batch_rows is None
+                                    else self.mean_batch_rows + 0.1 * (batch.last.rows - self.mean_batch_rows))
+        for key, ev in events:
+            a = self._active.get(str(key))
+            if a is not None:
+                self._deliver(a, ev)
+        for key, e in batch.take_failures():
+            a = self._active.get(str(key))
+            if a is not None:
+                log.error("request %s failed: %r", key, e, exc_info=e)
+                a.job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error", stats=a.stats))
+                self._job_ended(a.job)
+        now = time.monotonic()
+        for a in list(self._active.values()):
+            if a.job.id not in batch:  # it ended and _deliver finished it, or it never started
+                continue
+            if a.job.cancelled.is_set():
+                self._finish(a, "cancelled")
+            elif now > a.deadline:
+                self._finish(a, "timeout")
+
+    def _deliver(self, a: _Active, ev: Event) -> None:
         session = self.session
         assert session is not None
-        models = session.models
-        try:
-            tokens = job.encode(models)
-            req = job.request
-            if req.mode == Mode.AUTO and self.mode != Mode.AUTO:
-                req = dataclasses.replace(req, mode=self.mode)
-            gen = session.generate(tokens, req)
-        except PromptTooLong as e:
-            job.sink(JobEvent("error", text=str(e), status=400, code="context_length_exceeded"))
-            return
-        except UserError as e:
-            job.sink(JobEvent("error", text=str(e), status=400, code="invalid_request"))
-            return
-        except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text
-            job.sink(JobEvent("error", text=f"text is not valid Unicode: {e.reason} at position {e.start}", status=400, code="invalid_request"))
-            return
-        job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode, "load_s": load_s}))
-        status = "ok"
-        baseline = session.controller.view.baseline_tps
-        try:
-            for ev in gen:
-                self._progress = time.monotonic()
-                if ev.step is not None:
-                    self.live.add_step(ev.step, baseline)
-                    self.metrics.observe_step(ev.step)
-                job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=ev.finish_reason,
-                                  logprobs=ev.logprobs, pieces=_pieces(ev.logprobs, models.target) if ev.logprobs else {}))
-                if ev.finish_reason:
-                    break
-                if job.cancelled.is_set():
-                    status = "cancelled"
-                    break
-                if time.monotonic() > deadline:
-                    status = "timeout"
-                    break
-        finally:
-            gen.close()  # stops at this step; the caches stay consistent
-        st = gen.stats
+        if ev.step is not None:
+            self.live.add_step(ev.step, session.controller.view.baseline_tps)
+            self.metrics.observe_step(ev.step)
+        a.job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=ev.finish_reason,
+                            logprobs=ev.logprobs, pieces=_pieces(ev.logprobs, session.models.target) if ev.logprobs else {}))
+        if ev.finish_reason:
+            self._finish(a, "ok")
+
+    def _finish(self, a: _Active, status: str) -> None:
+        """The job ends (its last event, or cancelled, or timed out): stop it at this step (its
+        caches stay consistent), say so, and record it."""
+        self._drop(a.job.id)
+        st, job = a.stats, a.job
         if status == "timeout":
             job.sink(JobEvent("error", text=f"request timed out after {job.timeout_s:.0f} s", status=504, code="timeout", stats=st))
         else:
-            job.sink(JobEvent("done", stats=st, finish_reason=st.finish_reason or status, extra={"cold": cold}))
-        seconds = time.perf_counter() - t0
+            job.sink(JobEvent("done", stats=st, finish_reason=st.finish_reason or status, extra={"cold": a.cold}))
+        seconds = time.perf_counter() - a.t0
         self._mean_request_s += 0.2 * (seconds - self._mean_request_s)
-        self._record(job, st, status, cold, req.mode)
+        self._record(job, st, status, a.cold, a.mode)
         self.metrics.observe_request(status, st, seconds)
+        self._job_ended(job)
 
     def _reload_failed(self, job: Job, e: Exception) -> None:
         """A load after keep_alive failed: say why to this request and to /health (unhealthy, so

@@ -19,14 +19,16 @@ from homespec.config import Config, Mode, override
 from homespec.errors import UserError
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.models.loader import ModelSet, load_model_set
+from homespec.speculation.batch import Batch
 from homespec.speculation.constraints import Grammar
 from homespec.speculation.controller import Controller, make_policy
-from homespec.speculation.engine import Engine, Event, GenerationStats
+from homespec.speculation.engine import Engine, Event, GenerationStats, Steps
 from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.mtp import MTPProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams, with_logit_bias
+from homespec.tokens import common_prefix
 
 log = logging.getLogger("homespec.serving.host")
 
@@ -96,13 +98,15 @@ class Generation:
             close()
 
 
-def build_proposers(cfg: Config, models: ModelSet) -> list[Proposer]:
-    """Every proposer the loaded models allow (ngram needs no model)."""
+def build_proposers(cfg: Config, models: ModelSet, slot: int = 0) -> list[Proposer]:
+    """Every proposer the loaded models allow for a request in KV sequence `slot` (ngram needs
+    no model; a draft model reads along in its own sequence of the same number; the MTP head
+    reads the hidden states the target keeps for slot 0 only)."""
     ngram = cfg.speculation.ngram
     out: list[Proposer] = [NgramProposer(ngram.n_min, ngram.n_max)]
     if models.draft is not None:
-        out.append(DraftProposer(models.draft, models.target.n_vocab))
-    if models.mtp_head is not None:
+        out.append(DraftProposer(models.draft if slot == 0 else models.draft.slot(slot), models.target.n_vocab))
+    if models.mtp_head is not None and slot == 0:
         out.append(MTPProposer(models.target, models.mtp_head))
     return out
 
@@ -115,15 +119,17 @@ class Host:
         k_max = min(spec.k_max, models.target.n_ctx - 1)
         self.controller = Controller(build_proposers(cfg, models), spec.controller, k_max=k_max)
         self.engine = Engine(models.target)
+        # Proposer instances of the slots other than 0 (slot 0 uses the controller's registry).
+        self._slot_proposers: dict[int, dict[str, Proposer]] = {}
         self.warmup_s = 0.0
         self.calibration: dict[str, dict[int, float]] = {}  # "target" | proposer -> {n: seconds}
         self.prefix_cache = PrefixCache(cfg.memory.prefix_cache_mib * 2**20) if cfg.runtime.prefix_reuse else None
 
     @classmethod
     def open(
-        cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True, n_ctx: int | None = None
+        cls, cfg: Config, *, calibrate: bool = True, with_draft: bool = True, n_ctx: int | None = None, slots: int = 1
     ) -> Host:
-        host = cls(cfg, load_model_set(cfg, with_draft=with_draft, n_ctx=n_ctx))
+        host = cls(cfg, load_model_set(cfg, with_draft=with_draft, n_ctx=n_ctx, slots=slots))
         if calibrate:
             host.warmup()
         return host
@@ -139,6 +145,7 @@ class Host:
         """Free the draft model; speculation continues with the other proposers (or off)."""
         self.controller.remove_proposer(DraftProposer.name)
         self.models.unload_draft()
+        self._slot_proposers.clear()
 
     def reload_draft(self) -> None:
         """Load the configured draft back (headroom returned) and hand it to the controller,
@@ -146,6 +153,7 @@ class Host:
         self.models.load_draft(self.cfg)
         if self.models.draft is not None and DraftProposer.name not in self.controller.proposers:
             self.controller.add_proposer(DraftProposer(self.models.draft, self.models.target.n_vocab))
+        self._slot_proposers.clear()
 
     def __enter__(self) -> Host:
         return self
@@ -197,14 +205,38 @@ class Host:
 
     # -- generation --------------------------------------------------------------------------
 
-    def _prepare_cache(self, tokens: Sequence[int]) -> None:
+    def _prepare_cache(self, tokens: Sequence[int], slot: int = 0) -> None:
         """Prefix reuse: the best saved conversation goes live; or, with reuse off, start cold."""
+        target = self.models.target.slot(slot)
         if self.prefix_cache is not None:
-            self.prefix_cache.prepare(self.models.target, tokens)
+            self.prefix_cache.prepare(target, tokens)
             return
-        self.models.target.reset()
+        target.reset()
         if self.models.draft is not None:
-            self.models.draft.reset()
+            self.models.draft.slot(slot).reset()
+
+    # -- several requests at once ------------------------------------------------------------
+
+    @property
+    def slots(self) -> int:
+        """KV sequences of the target: requests that can decode together."""
+        return self.models.target.n_seq
+
+    def pick_slot(self, tokens: Sequence[int], free: Sequence[int]) -> int:
+        """The free slot whose cache shares the longest prefix with the prompt (a chat's next
+        turn finds its history); ties to the lowest number (slot 0 has every proposer)."""
+        return max(free, key=lambda i: (common_prefix(self.models.target.slot(i).tokens, tokens), -i))
+
+    def batch(self, prefill_chunk: int) -> Batch:
+        """A driver for generations running together on this target."""
+        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk)
+
+    def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
+        if slot == 0:
+            return None  # the registry's
+        if slot not in self._slot_proposers:
+            self._slot_proposers[slot] = {p.name: p for p in build_proposers(self.cfg, self.models, slot)}
+        return self._slot_proposers[slot]
 
     def available_modes(self) -> list[Mode]:
         """auto, off, and a fixed mode per proposer loaded now, in Mode's order."""
@@ -216,18 +248,31 @@ class Host:
             raise UnknownMode(f"speculation mode {str(mode)!r} is not available here (available: {have})")
 
     def generate(self, tokens: Sequence[int], req: GenerationRequest) -> Generation:
+        """One generation by itself, in slot 0."""
+        stats = GenerationStats()
+        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, stats=stats, **self._setup(tokens, req, 0))
+        return Generation(events, stats)
+
+    def steps(self, tokens: Sequence[int], req: GenerationRequest, slot: int, stats: GenerationStats) -> Steps:
+        """The same generation in `slot`, as the coroutine a Batch drives (engine.Engine.steps)."""
+        engine = Engine(self.models.target.slot(slot))
+        return engine.steps(tokens, req.params, req.max_tokens, req.stop, stats=stats, **self._setup(tokens, req, slot))
+
+    def _setup(self, tokens: Sequence[int], req: GenerationRequest, slot: int) -> dict[str, Any]:
+        """Check the request, build its policy and grammar, make its slot's cache ready."""
         self.check_mode(req.mode)
         check_logit_bias(req.params, self.models.target.n_vocab)
         k = self.cfg.speculation.k if req.k is None else req.k
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = Mode.OFF if req.mode == Mode.AUTO and not self.controller.cost.calibrated() else req.mode
-        policy = make_policy(mode, k, self.controller)
+        try:
+            policy = make_policy(mode, k, self.controller, self._proposers_of(slot))
+        except KeyError as e:  # a fixed mode whose proposer this slot lacks (the MTP head: slot 0)
+            raise UnknownMode(f"speculation mode {str(mode)!r} is not available while other requests run ({e.args[0]})") from None
         target = self.models.target
         grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab) if req.grammar else None
-        self._prepare_cache(tokens)
-        stats = GenerationStats()
-        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, policy, stats, grammar, req.logprobs)
-        return Generation(events, stats)
+        self._prepare_cache(tokens, slot)
+        return {"policy": policy, "grammar": grammar, "logprobs": req.logprobs}
 
 
 def check_logit_bias(params: SamplingParams, n_vocab: int) -> None:

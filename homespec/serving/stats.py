@@ -182,6 +182,17 @@ class Metrics:
         )
         self.queue_waiting = Gauge("homespec_queue_waiting", "Requests waiting for the model", registry=r)
         self.queue_running = Gauge("homespec_queue_running", "Requests generating now", registry=r)
+        self.queue_wait = Histogram(
+            "homespec_queue_wait_seconds", "Time from arrival to start, by priority", ["priority"],
+            buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r,
+        )
+        self.batch_sequences = Histogram(
+            "homespec_batch_sequences", "Requests sharing one target pass", buckets=(1, 2, 3, 4, 6, 8, 12, 16), registry=r
+        )
+        self.batch_rows = Histogram(
+            "homespec_batch_rows", "Tokens in one target pass (all requests' rows)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+            registry=r,
+        )
         self.warm = Gauge("homespec_warm", "1 when the models are loaded and warmed up", registry=r)
         self.model_loaded = Gauge("homespec_model_loaded", "1 when the model is loaded", ["role"], registry=r)
         self.ram_available = Gauge("homespec_memory_ram_available_bytes", "Available RAM", registry=r)

@@ -79,10 +79,26 @@ class MemoryView(BaseModel):
     events: list[str] = Field(default_factory=list)  # e.g. "draft unloaded at 18:04: headroom 0.6 GiB < 1.0 GiB reserve"
 
 
+class RunningRequest(BaseModel):
+    """A request generating now (one of the set decoded together)."""
+
+    id: str
+    slot: int  # its KV sequence
+    priority: int = 0
+    mode: str = "auto"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # so far
+    age_s: float = 0.0  # since it started
+    tok_s: float | None = None  # its output tokens/s since its first token
+
+
 class QueueView(BaseModel):
     running: int = 0
     waiting: int = 0
     max_waiting: int = 0
+    parallel: int = 1  # requests that may generate together
+    requests: list[RunningRequest] = Field(default_factory=list)  # the running set, oldest first
+    batch_rows: float | None = None  # tokens per target pass, recent mean (all requests' rows)
 
 
 class RequestRecord(BaseModel):

@@ -60,7 +60,8 @@ def build_stats_view(d: Daemon, address: str = "") -> StatsView:
             probes=view.probes if view else 0,
         ),
         memory=_memory(d),
-        queue=QueueView(running=running, waiting=waiting, max_waiting=d.cfg.server.queue_depth),
+        queue=QueueView(running=running, waiting=waiting, max_waiting=d.cfg.server.queue_depth,
+                        parallel=d.parallel(), requests=d.running_view(), batch_rows=d.mean_batch_rows),
         requests=snap.requests,
         prefix_cache=PrefixCacheView(
             lookups=snap.cache_lookups,

@@ -93,12 +93,31 @@ class AcceptanceKey(NamedTuple):
 class Candidate:
     proposer: str
     k: int
-    tokens: float  # expected emitted tokens
+    tokens: float  # expected emitted tokens of the pass (other requests' included)
     seconds: float  # expected step time
+    shared: float = 0.0  # of `tokens`, those other requests in the same pass emit
+
+    @property
+    def own(self) -> float:
+        """Expected tokens this request emits."""
+        return self.tokens - self.shared
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class RequestState:
+    """What the controller keeps per request; everything else it learns is shared."""
+
+    sampled: bool = False  # the request samples (temperature > 0)
+    earned: dict[str, int] = field(default_factory=dict)  # proposer -> longest accepted run in it
+    probing: str | None = None  # the proposer of a decided probe step (its k may be clipped)
+    # The request's own proposer instances by name (several requests at once each have theirs:
+    # a draft model's KV sequence, a prompt-lookup index); None: the registry's.
+    proposers: Mapping[str, Proposer] | None = None
+    alongside: int = 0  # rows other requests bring to the pass being decided (batch.py)
 
 
 @dataclass
@@ -142,14 +161,36 @@ class Controller:
         self.total_s = 0.0  # seconds of generation
         self.explore_s = 0.0  # seconds lost to probes (beyond what plain decoding would have taken)
         self.view = ControllerView()
-        # The proposer of a decided probe step. Not its k: the engine may clip k (near max_tokens
-        # or n_ctx), and a clipped probe still measured the proposer.
-        self._probing: str | None = None
-        self.sampled = False  # the current request samples (temperature > 0); set by begin()
-        self.earned: dict[str, int] = {}  # proposer -> longest accepted run in the current request
+        # The request being decided for: one at a time (the daemon's worker); a request of its
+        # own per generation through policy(), this default one for direct callers.
+        self.req = RequestState()
         self._shown: dict[str, Evidence] = {}  # proposer -> evidence of its last preview (the view)
         for p in proposers:
             self.add_proposer(p)
+
+    @property
+    def sampled(self) -> bool:
+        return self.req.sampled
+
+    @sampled.setter
+    def sampled(self, value: bool) -> None:
+        self.req.sampled = value
+
+    @property
+    def earned(self) -> dict[str, int]:
+        return self.req.earned
+
+    def policy(self, proposers: Mapping[str, Proposer] | None = None) -> RequestPolicy:
+        """A SpeculationPolicy for one request, with its own per-request state (and proposer
+        instances), deciding from the shared estimates."""
+        return RequestPolicy(self, RequestState(proposers=proposers))
+
+    def _usable(self) -> dict[str, Proposer]:
+        """The current request's instance of every registered proposer it has one of."""
+        mine = self.req.proposers
+        if mine is None:
+            return self.proposers
+        return {name: mine[name] for name in self.proposers if name in mine}
 
     # -- the registry and its costs --------------------------------------------------------
 
@@ -210,48 +251,52 @@ class Controller:
         for sampled requests. Prefill the proposers whose prefill is free (a prompt-lookup index also
         learns where the prompt ends) and the others only while they pay (a draft's prefill costs
         TTFT for nothing otherwise); the rest catch up if a probe picks them."""
-        self.earned = {}
-        self.sampled = sampled
+        self.req.earned = {}
+        self.req.sampled = sampled
         plain = self._plain()
         return [
             p
-            for name, p in self.proposers.items()
-            if p.free_prefill or self._best(name, self.k_max, self._key(name)).rate >= self.cfg.min_gain * plain.rate
+            for name, p in self._usable().items()
+            if p.free_prefill or self._best(name, self.k_max, self._key(name)).rate >= self._bar(plain)
         ]
 
-    def decide(self, context: Sequence[int]) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         self.step_no += 1
-        self._probing = None
+        self.req.probing = None
+        self.req.alongside = alongside
         if not self.cost.calibrated():
             return Decision(None, 0)
         plain = self._plain()
         options = self._options(context)  # proposer -> (key, k available)
         best_of = {p: self._best(p, k_avail, key) for p, (key, k_avail) in options.items()}
         best = max([plain, *best_of.values()], key=lambda c: c.rate)
-        if best.proposer != OFF and best.rate < self.cfg.min_gain * plain.rate:
+        if best.proposer != OFF and best.rate < self._bar(plain):
             best = plain
         reason = self._reason(best, plain)
         probe = self._probe(best, options, context)
         if probe is not None:
             reason = f"probe {probe.proposer} k={probe.k} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
             best = probe
-            self._probing = probe.proposer
+            self.req.probing = probe.proposer
         self._record(best, plain, options, reason)
         if best.proposer == OFF:
             return Decision(None, 0)
         self.last_tried[best.proposer] = self.step_no
         if probe is None:
             self.failed_probes.pop(best.proposer, None)  # chosen on merit
-        return Decision(self.proposers[best.proposer], best.k)
+        return Decision(self._usable()[best.proposer], best.k)
 
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
-        self.cost.observe_verify(step.proposed + 1, step.verify_s)
+        if step.pass_rows > step.proposed + 1:  # batched with other requests: the whole pass
+            self.cost.observe_verify(step.pass_rows, step.pass_s)
+        else:
+            self.cost.observe_verify(step.proposed + 1, step.verify_s)
         catchup = step.info.catchup_s
         if catchup:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)
-        probing = self._probing == step.proposer
-        self._probing = None
+        probing = self.req.probing == step.proposer
+        self.req.probing = None
         self.explore_s *= _BUDGET_DECAY
         self.total_s = self.total_s * _BUDGET_DECAY + step.seconds
         # Steps of no registered proposer (plain, or a grammar's forced tokens) teach no acceptance.
@@ -259,11 +304,11 @@ class Controller:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
-            self.earned[step.proposer] = max(self.earned.get(step.proposer, 0), step.accepted)
+            self.req.earned[step.proposer] = max(self.req.earned.get(step.proposer, 0), step.accepted)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
                 self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
                 self.view.probes += 1
-                pays = self._best(step.proposer, self.k_max, key).rate >= self.cfg.min_gain * self._plain().rate
+                pays = self._best(step.proposer, self.k_max, key).rate >= self._bar(self._plain())
                 fails = 0 if pays else self.failed_probes.get(step.proposer, 0) + 1
                 self.failed_probes[step.proposer] = fails
         rate = step.emitted / step.seconds if step.seconds > 0 else 0.0
@@ -284,7 +329,7 @@ class Controller:
         match is often a coincidence, and a long repeat of the answer's own words breaks off
         sooner than a copy). Sampled requests are tracked apart: a token drawn at temperature 0.8
         is accepted less often than an argmax, and mixing the two would mislead both."""
-        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, self.sampled)
+        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, self.req.sampled)
 
     def _prior(self, key: AcceptanceKey) -> float:
         """Acceptance assumed before any observation. With evidence of strength m (prompt lookup:
@@ -301,24 +346,38 @@ class Controller:
         and what it has earned in this request)."""
         out: dict[str, tuple[AcceptanceKey, int]] = {}
         unearned = self._unearned_k()
-        for name, p in self.proposers.items():
-            earned = max(unearned, EARNED_GROWTH * self.earned.get(name, 0))
+        for name, p in self._usable().items():
+            earned = max(unearned, EARNED_GROWTH * self.req.earned.get(name, 0))
             preview = p.preview(context, self.k_max)
             if preview.available > 0:  # nothing to propose: not a candidate now
                 self._shown[name] = preview.evidence
                 out[name] = (self._key(name, preview.evidence), min(preview.available, earned))
         return out
 
+    # Several requests in one pass (batch.py): the request beside `alongside` rows of others
+    # chooses the k that maximises the whole pass's goodput, (b + E[emitted | k]) / t(b + k + 1),
+    # counting each of the others' rows as one token. Its draft rows must then beat the rate the
+    # pass already has, not a pass of its own: on a CPU, whose passes grow ~linearly with rows, a
+    # draft beside others pays only when it is accepted nearly always, so the rows of one pass go
+    # to the requests whose drafts are accepted most. Alone (b = 0) this is the rate above.
+
+    def _bar(self, plain: Candidate) -> float:
+        """The rate a speculative candidate must reach: min_gain over plain decoding, for this
+        request's share of the pass (diluted over the others' tokens it cannot change)."""
+        return plain.rate * (1.0 + (self.cfg.min_gain - 1.0) * plain.own / plain.tokens)
+
     def _unearned_k(self) -> int:
         """The longest draft whose verification costs at most UNEARNED_PASSES single passes."""
-        limit = UNEARNED_PASSES * self.cost.verify(1)
-        return max([1, *(k for k in range(1, self.k_max + 1) if self.cost.verify(k + 1) <= limit)])
+        limit = UNEARNED_PASSES * self.cost.added(1, self.req.alongside)
+        return max([1, *(k for k in range(1, self.k_max + 1) if self.cost.added(k + 1, self.req.alongside) <= limit)])
 
     def _plain(self) -> Candidate:
-        return Candidate(OFF, 0, 1.0, self.cost.verify(1))
+        return self._candidate(OFF, 0, np.ones(1))
 
     def _candidate(self, p: str, k: int, emitted: np.ndarray) -> Candidate:
-        return Candidate(p, k, float(emitted[k]), self.cost.verify(k + 1) + self.cost.propose(p, k))
+        b = self.req.alongside
+        propose = self.cost.propose(p, k) if k else 0.0
+        return Candidate(p, k, b + float(emitted[k]), self.cost.verify(b + k + 1) + propose, shared=float(b))
 
     def _best(self, p: str, k_avail: int, key: AcceptanceKey, rates: np.ndarray | None = None) -> Candidate:
         emitted = expected_emitted(self.acc.rates(key) if rates is None else rates)  # [k_max + 1]
@@ -338,7 +397,7 @@ class Controller:
             for p, (key, k_avail) in options.items()
             if p != best.proposer
             and self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self.failed_probes.get(p, 0), MAX_BACKOFF)
-            and self._best(p, k_avail, key, np.full(self.k_max, PROBE_ACCEPTANCE)).rate >= self.cfg.min_gain * plain.rate
+            and self._best(p, k_avail, key, np.full(self.k_max, PROBE_ACCEPTANCE)).rate >= self._bar(plain)
         ]
         if not stale:
             return None
@@ -346,8 +405,8 @@ class Controller:
         key, k_avail = options[p]
         k = min(k_avail, 4)  # enough positions to learn from, cheaply
         probe = self._candidate(p, k, self.acc.expected_emitted(key))
-        catchup = self.cost.catchup(p, self.proposers[p].lag(context))
-        expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * plain.seconds)
+        catchup = self.cost.catchup(p, self._usable()[p].lag(context))
+        expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * plain.seconds / plain.tokens)
         if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
         return probe
@@ -356,7 +415,7 @@ class Controller:
         if best.proposer == OFF:
             return f"off: no proposer beats {plain.rate:.1f} tok/s by {self.cfg.min_gain:.2f}x"
         return (
-            f"{best.proposer} k={best.k}: expects {best.tokens:.2f} tokens in "
+            f"{best.proposer} k={best.k}: expects {best.own:.2f} tokens in "
             f"{best.seconds * 1000:.0f} ms = {best.rate / plain.rate:.2f}x plain"
         )
 
@@ -367,7 +426,7 @@ class Controller:
         evidence it offers now, or the last it offered when it has nothing to propose)."""
         v = self.view
         v.proposer, v.k, v.reason = best.proposer, best.k, reason
-        v.baseline_tps = plain.rate
+        v.baseline_tps = 1.0 / self.cost.verify(1)  # plain decoding alone, whatever runs beside
         gains: dict[str, list[float]] = {}
         for p in self.proposers:
             key = options[p][0] if p in options else self._key(p, self._shown.get(p, Evidence()))
@@ -376,27 +435,56 @@ class Controller:
         v.gains = gains
 
 
+class RequestPolicy:
+    """The controller deciding for one request: its state is swapped in for each call (the
+    daemon's worker drives every request on one thread)."""
+
+    def __init__(self, controller: Controller, state: RequestState) -> None:
+        self.controller, self.state = controller, state
+
+    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+        self.controller.req = self.state
+        return self.controller.begin(prompt, sampled)
+
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+        self.controller.req = self.state
+        return self.controller.decide(context, alongside)
+
+    def observe(self, step: StepStats) -> None:
+        self.controller.req = self.state
+        self.controller.observe(step)
+
+
 class Observed(FixedPolicy):
     """A fixed mode whose steps still teach the controller (costs, acceptance)."""
 
     def __init__(self, proposer: Proposer | None, k: int, controller: Controller) -> None:
         super().__init__(proposer, k)
         self.controller = controller
+        self.state = RequestState()
 
     def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
-        self.controller.sampled = sampled  # its steps teach the estimates of their own kind
+        self.state.sampled = sampled  # its steps teach the estimates of their own kind
         return super().begin(prompt, sampled)
 
     def observe(self, step: StepStats) -> None:
+        self.controller.req = self.state
         self.controller.observe(step)
 
 
-def make_policy(mode: Mode | str, k: int, controller: Controller) -> SpeculationPolicy:
+def make_policy(
+    mode: Mode | str, k: int, controller: Controller, proposers: Mapping[str, Proposer] | None = None
+) -> SpeculationPolicy:
     """The policy for a request: the shared controller for auto, a fixed one otherwise (which
-    still reports its steps to the controller). k = 0 is off, whatever the mode."""
+    still reports its steps to the controller). k = 0 is off, whatever the mode. proposers: the
+    request's own instances (its slot's), None: the registry's."""
     mode = Mode(mode)
     if mode is Mode.AUTO:
-        return controller
+        return controller.policy(proposers)
     if mode is Mode.OFF or k == 0:
         return Observed(None, 0, controller)
-    return Observed(controller.proposer(mode.value), k, controller)
+    controller.proposer(mode.value)  # KeyError naming the available ones
+    mine = proposers if proposers is not None else controller.proposers
+    if mode.value not in mine:
+        raise KeyError(f"no proposer {mode.value!r} for this request (have {', '.join(sorted(mine)) or 'none'})")
+    return Observed(mine[mode.value], k, controller)

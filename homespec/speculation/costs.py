@@ -51,8 +51,26 @@ class CostModel:
         return not np.isnan(self.shape[1])
 
     def verify(self, n: int) -> float:
-        n = min(max(n, 1), self.n_max)
-        return float(self.shape[n] * self.speed)
+        """Seconds for a pass over n rows; past n_max (several requests' rows in one pass),
+        extended along the slope of the last measured step: a CPU pass grows ~linearly there."""
+        n = max(n, 1)
+        if n <= self.n_max:
+            return float(self.shape[n] * self.speed)
+        return float(self.shape[self.n_max] * self.speed + (n - self.n_max) * self.row_s())
+
+    def row_s(self) -> float:
+        """Seconds one more row adds to a pass, on average over the measured sizes (at least 5 %
+        of a one-row pass: no device computes rows for free)."""
+        mean = (self.shape[self.n_max] - self.shape[1]) / (self.n_max - 1) if self.n_max > 1 else self.shape[1]
+        return float(max(mean, 0.05 * self.shape[1]) * self.speed)
+
+    def added(self, n: int, alongside: int) -> float:
+        """Seconds that n rows add to a pass that already holds `alongside` rows of other
+        requests (a pass of their own when there are none). Measured sizes are noisy, so the
+        difference is kept at half an average row per row at least."""
+        if alongside <= 0:
+            return self.verify(n)
+        return max(self.verify(alongside + n) - self.verify(alongside), 0.5 * n * self.row_s())
 
     def observe_verify(self, n: int, seconds: float) -> None:
         if not (1 <= n <= self.n_max) or seconds <= 0:

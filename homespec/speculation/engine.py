@@ -31,7 +31,7 @@ is reproducible. The price is acceptance: a draft raced against the same keys is
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -49,7 +49,7 @@ from homespec.speculation.sampling import (
     token_logprobs,
     window,
 )
-from homespec.speculation.target import Target
+from homespec.speculation.target import Output, Target
 from homespec.speculation.textstream import TextStream
 from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify, seeded_verify
 from homespec.tokens import common_prefix
@@ -68,6 +68,11 @@ class StepStats:
     verify_s: float  # seconds in the target pass + verification
     outcomes: tuple[bool, ...] = ()  # per tested position: accepted?
     info: ProposalInfo = ProposalInfo()  # the proposal's evidence and catch-up
+    # The target pass this step was verified in: its rows (other requests' rows included when
+    # batched) and its seconds — what the cost model learns t_verify(n) from. 0: proposed + 1
+    # rows in verify_s (a pass of its own).
+    pass_rows: int = 0
+    pass_s: float = 0.0
 
     @property
     def emitted(self) -> int:
@@ -94,7 +99,10 @@ class SpeculationPolicy(Protocol):
         worth prefilling with it (the others catch up when first used)."""
         ...
 
-    def decide(self, context: Sequence[int]) -> Decision: ...
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+        """The next step's proposer and k. alongside: rows other requests bring to the same
+        target pass (batch.py), so that this request's rows cost only what they add."""
+        ...
 
     def observe(self, step: StepStats) -> None: ...
 
@@ -110,7 +118,7 @@ class FixedPolicy:
         p = self.decision.proposer
         return [p] if p is not None else []
 
-    def decide(self, context: Sequence[int]) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         return self.decision
 
     def observe(self, step: StepStats) -> None:
@@ -194,6 +202,46 @@ class Event:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass
+class Pass:
+    """A target pass a generation needs: append `tokens` to `target`'s cache, reply with the
+    logits (Target.eval). The engine yields it rather than running it, so that a batch driver
+    (batch.py) can pack the passes of several generations into one llama_decode."""
+
+    target: Target
+    tokens: list[int]
+    output: Output
+    rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
+    seconds: float = 0.0  # set by the driver: how long that decode took
+
+    def run(self) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = self.target.eval(self.tokens, self.output)
+        self.rows, self.seconds = len(self.tokens), time.perf_counter() - t0
+        return logits
+
+
+Steps = Generator["Event | Pass", "np.ndarray | int | None", None]  # the engine's coroutine
+
+
+def run_alone(steps: Steps) -> Iterator[Event]:
+    """Drive one generation by itself: each pass runs at once; events go to the caller.
+    Closing the iterator closes the generation (its caches stay consistent)."""
+    reply: np.ndarray | None = None
+    try:
+        while True:
+            item = steps.send(reply)
+            if isinstance(item, Pass):
+                reply = item.run()
+            else:
+                reply = None
+                yield item
+    except StopIteration:
+        return
+    finally:
+        steps.close()
+
+
 class PromptTooLong(ValueError):
     def __init__(self, n_prompt: int, n_ctx: int) -> None:
         super().__init__(f"prompt has {n_prompt} tokens; the context holds {n_ctx} (at least 1 must remain for the answer)")
@@ -230,6 +278,26 @@ class Engine:
             raise ValueError("empty prompt")
         if len(prompt) >= self.target.n_ctx:
             raise PromptTooLong(len(prompt), self.target.n_ctx)
+        return run_alone(self.steps(prompt, params, max_tokens, stop, policy, stats, grammar, logprobs))
+
+    def steps(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        max_tokens: int = 256,
+        stop: Sequence[str] = (),
+        policy: SpeculationPolicy | None = None,
+        stats: GenerationStats | None = None,
+        grammar: Grammar | None = None,
+        logprobs: int | None = None,
+    ) -> Steps:
+        """The same generation as a coroutine that yields its target passes (`Pass`: send back
+        the logits) as well as its events (send back the rows other generations bring to the
+        next pass, or None) — for a driver that batches several generations (batch.py)."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.target.n_ctx:
+            raise PromptTooLong(len(prompt), self.target.n_ctx)
         policy = policy or FixedPolicy()
         st = stats if stats is not None else GenerationStats()
         return self._run(list(prompt), params, max_tokens, stop, policy, st, grammar, logprobs)
@@ -244,12 +312,13 @@ class Engine:
         st: GenerationStats,
         grammar: Grammar | None,
         top: int | None,
-    ) -> Iterator[Event]:
+    ) -> Steps:
         t_start = time.perf_counter()
         rng = make_rng(params.seed)
         st.prompt_tokens = len(ctx)
         st.cached_tokens = min(common_prefix(self.target.tokens, ctx), len(ctx) - 1)
-        logits = self.target.sync(ctx)  # [1, vocab] after the prompt
+        self.target.truncate(st.cached_tokens)  # Target.sync, as a pass a driver may batch
+        logits = yield Pass(self.target, ctx[st.cached_tokens :], "last")  # [1, vocab] after the prompt
         for proposer in policy.begin(ctx, not params.greedy):
             proposer.begin(ctx)
         st.prefill_s = time.perf_counter() - t_start
@@ -272,16 +341,16 @@ class Engine:
                 st.total_s = time.perf_counter() - t_start
                 yield event
                 return
-            yield event
+            alongside = (yield event) or 0
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx
             budget = max(0, min(room, max_tokens - st.completion_tokens - 1))
             forced = grammar.forced(budget) if grammar is not None else []
             if forced:  # free drafts; the policy's proposers sit this step out
-                verdict, step = self._step(ctx, None, len(forced), params, rng, grammar, forced)
+                verdict, step = yield from self._step(ctx, None, len(forced), params, rng, grammar, forced)
             else:
-                decision = policy.decide(ctx)
+                decision = policy.decide(ctx, alongside)
                 k = min(decision.k, budget)
-                verdict, step = self._step(ctx, decision.proposer if k else None, k, params, rng, grammar)
+                verdict, step = yield from self._step(ctx, decision.proposer if k else None, k, params, rng, grammar)
             policy.observe(step)
             st.add(step)
             lps = None
@@ -300,7 +369,7 @@ class Engine:
         rng: np.random.Generator,
         grammar: Grammar | None = None,
         forced: Sequence[int] = (),
-    ) -> tuple[Verdict, StepStats]:
+    ) -> Generator[Pass, np.ndarray, tuple[Verdict, StepStats]]:
         """One speculative step over ctx (not modified here); k = 0 or no proposer: plain.
         forced: the grammar's jump-forward tokens, verified in place of a proposal."""
         if forced:
@@ -313,7 +382,8 @@ class Engine:
             # Only an unseeded sampled draft with a real q must keep its first invalid token.
             d = grammar.cut(d, keep_first_invalid=not params.greedy and params.seed is None and proposal.q is not None)
         t0 = time.perf_counter()
-        logits = self.target.eval([ctx[-1], *d], output="all")  # [len(d) + 1, vocab]
+        verify = Pass(self.target, [ctx[-1], *d], "all")
+        logits = yield verify  # [len(d) + 1, vocab]
         if grammar is not None:
             logits = apply_masks(logits, grammar.masks(d))
         view = target_view(logits, params, ctx, d)  # argmax [n] or probabilities [n, vocab]
@@ -327,7 +397,8 @@ class Engine:
         self.target.truncate(len(ctx) + verdict.accepted)
         verdict = replace(verdict, rows=logits[: verdict.accepted + 1])  # what logprobs read
         verify_s = time.perf_counter() - t0
-        step = StepStats(name, k, len(d), verdict.accepted, proposal.draft_s, verify_s, tuple(verdict.outcomes), proposal.info)
+        step = StepStats(name, k, len(d), verdict.accepted, proposal.draft_s, verify_s, tuple(verdict.outcomes),
+                         proposal.info, verify.rows, verify.seconds)
         return verdict, step
 
 

@@ -11,6 +11,7 @@ position (measured with the target alone), far above the ~0.2 noise, so equality
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -457,27 +458,29 @@ def test_concurrent_clients_each_get_their_complete_sequential_answer(served: Se
 def test_full_queue_answers_429_with_retry_after_and_queued_requests_still_complete(served: Served) -> None:
     wait_idle(served)
     results: list[httpx.Response] = []
+    parallel = served.daemon.cfg.server.parallel
 
     def queued() -> None:
         results.append(post_chat(served, chat_body(PARIS, 4)))
 
-    with served.client() as c:
-        with c.stream("POST", "/v1/chat/completions", json=chat_body(LONG, 400, stream=True)) as long_running:
+    with contextlib.ExitStack() as hold, served.client() as c:
+        for _ in range(parallel):  # every slot busy with a long stream
+            long_running = hold.enter_context(c.stream("POST", "/v1/chat/completions", json=chat_body(LONG, 400, stream=True)))
             assert long_running.status_code == 200  # headers come once the job has started
-            waiters = [threading.Thread(target=queued) for _ in range(QUEUE_DEPTH)]
-            for t in waiters:
-                t.start()
-            wait_for(lambda: served.daemon.queue_view() == (1, QUEUE_DEPTH), WAIT_S, "the queue to fill")
+        waiters = [threading.Thread(target=queued) for _ in range(QUEUE_DEPTH)]
+        for t in waiters:
+            t.start()
+        wait_for(lambda: served.daemon.queue_view() == (parallel, QUEUE_DEPTH), WAIT_S, "the queue to fill")
 
-            for _ in range(3):
-                r = post_chat(served, chat_body(PARIS, 4))
-                err = assert_openai_error(r, 429, "queue_full")
-                assert err["type"] == "rate_limit_error"
-                assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1
-            with pytest.raises(openai.RateLimitError) as e:
-                oai(served).chat.completions.create(model=served.model, messages=[{"role": "user", "content": PARIS}], max_tokens=2)
-            assert e.value.response.headers["retry-after"].isdigit()
-        # leaving the block hangs up on the long stream: the waiting requests run next
+        for _ in range(3):
+            r = post_chat(served, chat_body(PARIS, 4))
+            err = assert_openai_error(r, 429, "queue_full")
+            assert err["type"] == "rate_limit_error"
+            assert r.headers["retry-after"].isdigit() and int(r.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError) as e:
+            oai(served).chat.completions.create(model=served.model, messages=[{"role": "user", "content": PARIS}], max_tokens=2)
+        assert e.value.response.headers["retry-after"].isdigit()
+        # leaving the block hangs up on the long streams: the waiting requests run next
     for t in waiters:
         t.join(timeout=WAIT_S)
     assert [r.status_code for r in results] == [200] * QUEUE_DEPTH, [r.text for r in results]

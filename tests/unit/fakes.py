@@ -21,7 +21,7 @@ from homespec.tokens import common_prefix
 
 class FakeRuntime:
     def __init__(self, vocab: int = 64, n_ctx: int = 512, eos: int | None = None, order: int = 2, seed: int = 0,
-                 sharpness: float = 3.0) -> None:
+                 sharpness: float = 3.0, n_seq: int = 1, n_batch: int = 512) -> None:
         self.n_vocab = vocab
         self.n_ctx = n_ctx
         self.eos = eos
@@ -30,6 +30,23 @@ class FakeRuntime:
         self.sharpness = sharpness  # scale of the logits: higher = more peaked distributions
         self.tokens: list[int] = []
         self.evals: list[int] = []  # batch sizes of every eval call (for cost accounting in tests)
+        self.n_batch = n_batch
+        self.n_seq = n_seq
+        self.seq = 0
+        self._slots: list[FakeRuntime] = [self] + [FakeSlot(self, i) for i in range(1, n_seq)]
+        self.passes: list[list[tuple[int, int]]] = []  # eval_many calls: [(seq, tokens)] per pass
+
+    def slot(self, i: int) -> FakeRuntime:
+        """KV sequence i: slot 0 is this runtime itself, as in Runtime."""
+        return self._slots[i]
+
+    def eval_many(self, parts: Sequence[tuple[FakeRuntime, Sequence[int], str]]) -> list[np.ndarray]:
+        """Runtime.eval_many: one pass over several sequences (here: each evaluated alone —
+        scripted logits have no batch noise, so a batched request must match itself alone exactly)."""
+        assert len({t.seq for t, _, _ in parts}) == len(parts), "two parts name the same slot"
+        assert sum(len(toks) for _, toks, _ in parts) <= self.n_batch
+        self.passes.append([(t.seq, len(toks)) for t, toks, _ in parts])
+        return [FakeRuntime.eval(t, toks, out) for t, toks, out in parts]
 
     def logits_after(self, context: Sequence[int]) -> np.ndarray:  # [vocab]
         key = zlib.crc32(np.asarray([self.seed, *context[-self.order:]], dtype=np.int64).tobytes())
@@ -86,6 +103,17 @@ class FakeRuntime:
 
     def close(self) -> None:
         pass
+
+
+class FakeSlot(FakeRuntime):
+    """Sequence i > 0 of a FakeRuntime: the same scripted model, its own cache."""
+
+    def __init__(self, rt: FakeRuntime, seq: int) -> None:
+        self.__dict__.update({k: v for k, v in rt.__dict__.items() if k not in ("_slots", "passes")})
+        self.tokens, self.evals, self.seq, self.rt = [], [], seq, rt
+
+    def slot(self, i: int) -> FakeRuntime:
+        return self.rt.slot(i)
 
 
 class ScriptedNgram(NgramProposer):

@@ -295,3 +295,28 @@ def test_a_proposer_that_pays_only_when_every_token_is_accepted_is_never_probed(
     steps = m.run(c, 400)
     assert all(s.proposer == OFF for s in steps)
     assert c.view.probes == 0
+
+
+def test_beside_other_requests_only_drafts_accepted_nearly_always_get_rows_on_a_cpu() -> None:
+    """One pass for several requests: a draft row must beat the goodput the pass already has.
+    On a CPU's ~linear cost curve, a request whose drafts are accepted 95 % of the time still
+    drafts beside three others; one at 70 % (which pays alone) decodes plainly there."""
+    chosen = {}
+    for rate in (0.95, 0.7):
+        m = Machine(cpu_cost, {"ngram": rate}, seed=3)
+        c = m.controller(proposers=("ngram",))
+        for _ in range(300):
+            m.step(c)
+        alone, beside = c.decide(m.ctx).k, c.decide(m.ctx, alongside=3).k
+        chosen[rate] = (alone, beside)
+        assert c.view.baseline_tps == pytest.approx(1 / cpu_cost(1))  # the baseline stays plain decoding alone
+    assert chosen[0.95][0] > 0 and chosen[0.7][0] > 0  # each pays on its own
+    assert chosen[0.95][1] > 0 and chosen[0.7][1] == 0, chosen
+
+
+def test_a_pass_shared_with_other_requests_teaches_the_cost_of_all_its_rows() -> None:
+    c = Machine(cpu_cost, {}).controller(proposers=("ngram",))
+    before = c.cost.verify(6)
+    step = StepStats("ngram", 2, 2, 1, 0.001, 0.9, (True, False), ProposalInfo(), pass_rows=6, pass_s=3 * before)
+    c.observe(step)
+    assert c.cost.verify(6) > before  # learned as a pass over 6 rows, not over this request's 3

@@ -17,20 +17,16 @@ from homespec.errors import ModelError
 from homespec.serving import daemon as daemon_mod
 from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady
 from homespec.serving.host import GenerationRequest
+from homespec.speculation.batch import Batch
 from homespec.speculation.engine import Event, GenerationStats
 
 WAIT_S = 20.0  # seconds: an upper bound for the worker thread to get somewhere, not a timing check
 
 
-class FakeGen:
-    def __init__(self) -> None:
-        self.stats = GenerationStats(prompt_tokens=3, completion_tokens=1, finish_reason="stop")
-
-    def __iter__(self) -> Iterator[Event]:
-        yield Event(text="hi", tokens=[5], step=None, finish_reason="stop")
-
-    def close(self) -> None:
-        pass
+def fake_steps(stats: GenerationStats) -> Iterator[Event]:
+    """A generation that answers "hi" without a target pass (the Batch takes it as it comes)."""
+    stats.prompt_tokens, stats.completion_tokens, stats.finish_reason = 3, 1, "stop"
+    yield Event(text="hi", tokens=[5], step=None, finish_reason="stop")
 
 
 class FakeHost:
@@ -45,8 +41,16 @@ class FakeHost:
     def warmup(self) -> None:
         pass
 
-    def generate(self, tokens: list[int], req: GenerationRequest) -> FakeGen:
-        return FakeGen()
+    slots = 1
+
+    def pick_slot(self, tokens: list[int], free: list[int]) -> int:
+        return free[0]
+
+    def batch(self, prefill_chunk: int) -> Batch:
+        return Batch(lambda parts: [], n_batch=512, prefill_chunk=prefill_chunk)
+
+    def steps(self, tokens: list[int], req: GenerationRequest, slot: int, stats: GenerationStats) -> Iterator[Event]:
+        return fake_steps(stats)
 
     def close(self) -> None:
         self.closed = True
@@ -187,7 +191,7 @@ def test_a_request_cancelled_while_waiting_is_counted_and_logged() -> None:
     events: list[JobEvent] = []
     job = Job(GenerationRequest(), sink=events.append, encode=lambda models: models.encode_chat([{"role": "user", "content": "hi"}]))
     job.cancel()  # the client hung up before its turn
-    d._run(job)
+    d._start(job)
     assert events == []  # nobody is listening any more
     assert sample(d, "cancelled_in_queue") == 1
     rec = d.live.snapshot().requests[0]
@@ -229,3 +233,34 @@ def test_http_health_is_503_with_the_reason_after_a_failed_reload_and_ok_again_a
         assert asyncio.run(get_health()).status_code == 200
     finally:
         d.shutdown(1.0)
+
+
+def test_admission_starts_the_highest_priority_first_then_the_oldest_up_to_the_parallel_limit() -> None:
+    d = make_daemon(lambda c, **kw: FakeHost())
+    d.cfg.server.parallel = 2
+    host = FakeHost()
+    host.slots = 4
+    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    jobs = [Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1], priority=p) for p in (0, 0, 5, 1)]
+    d._queue.extend(jobs)
+    assert d._admit() == [jobs[2], jobs[3]]  # priority 5, then 1: two slots
+    d._active = {j.id: SimpleNamespace(job=j, slot=i) for i, j in enumerate(jobs[2:4])}  # type: ignore[misc]
+    assert d._admit() == []  # both slots busy: the rest waits
+    d._active = {}
+    assert d._admit() == [jobs[0], jobs[1]]  # equal priorities: the oldest first
+
+
+def test_a_job_that_loads_or_unloads_the_models_runs_alone() -> None:
+    d = make_daemon(lambda c, **kw: FakeHost())
+    host = FakeHost()
+    host.slots = 4
+    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    gen = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
+    unload = Job(GenerationRequest(), sink=lambda ev: None, encode=None, keep_alive_s=0)
+    later = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
+    d._queue.extend([gen, unload, later])
+    assert d._admit() == [gen]  # the unload waits for the running set to empty
+    d._active = {gen.id: SimpleNamespace(job=gen, slot=0)}  # type: ignore[misc]
+    assert d._admit() == []
+    d._active = {}
+    assert d._admit() == [unload]

@@ -88,7 +88,9 @@ def scripted_stats() -> StatsView:
                            "draft unloaded at 18:04: headroom 0.6 GiB < 1.0 GiB reserve",
                            "draft loaded at 18:10: headroom 2.1 GiB"],
             },
-            "queue": {"running": 1, "waiting": 2, "max_waiting": 8},
+            "queue": {"running": 1, "waiting": 2, "max_waiting": 8, "parallel": 4, "batch_rows": 3.5,
+                      "requests": [{"id": "r9", "slot": 2, "priority": 5, "mode": "auto", "prompt_tokens": 40,
+                                    "completion_tokens": 17, "age_s": 3.2, "tok_s": 6.5}]},
             "requests": [r.model_dump() for r in requests],
             "prefix_cache": {"lookups": 10, "hits": 7, "hit_ratio": 0.7},
         }
@@ -103,6 +105,7 @@ def idle_stats() -> StatsView:
             "speed": s.speed.model_copy(update={"tok_s": None, "speedup": None, "tokens_generated": 0,
                                                 "requests_served": 0, "history": []}),
             "requests": [],
+            "queue": s.queue.model_copy(update={"running": 0, "requests": []}),
         }
     )
 
@@ -300,12 +303,12 @@ async def test_panels_fill_in_after_a_request(daemon):
         assert app.query_one(RequestTable).row_count == 0
 
         daemon.stats = scripted_stats()  # a client streamed a few requests
-        await until(pilot, lambda: app.query_one(RequestTable).row_count == 4, "the request table")
+        await until(pilot, lambda: app.query_one(RequestTable).row_count == 5, "the request table")  # 1 running + 4
         text = screen_text(app)
         assert app.query_one(SpeedupDigits).value == "1.42x"
         for figure in ("24.3 tok/s", "17.1 tok/s", "12,345 tokens · 42 served", "acceptance 82%", "length 3.10",
                        "best k=4 1.41×", "5.2 GiB of 7.8 GiB used", "headroom 2.6 GiB",
-                       "draft unloaded at 18:04", "running 1 · waiting 2 of 8", "ready · warm", "up 2h 03m"):
+                       "draft unloaded at 18:04", "running 1/4 · waiting 2/8 · 3.5 rows/pass", "slot 2 p+5", "running", "ready · warm", "up 2h 03m"):
             assert figure in text, figure
 
 
@@ -423,7 +426,7 @@ async def test_q_quits(daemon):
 async def test_layout_matches_the_committed_snapshot(daemon):
     app = dashboard(daemon.url)
     async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: app.query_one(RequestTable).row_count == 4, "all panels")
+        await until(pilot, lambda: app.query_one(RequestTable).row_count == 5, "all panels")
         await pilot.pause(0.2)  # one more poll and repaint, so every widget shows the same stats
         # The fake daemon's port changes per run; the header's separators are fixed, so masking
         # the port leaves every other character where it was.

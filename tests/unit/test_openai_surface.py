@@ -5,8 +5,10 @@ shapes, refusals and stream lines are checked in seconds without weights."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -35,12 +37,16 @@ class SlowRuntime(FakeRuntime):
         time.sleep(self.delay_s)
         return super().eval(tokens, output)
 
+    def eval_many(self, parts: Any) -> Any:
+        time.sleep(self.delay_s)
+        return super().eval_many(parts)
+
 
 class ScriptedModels:
     """What Host needs of a ModelSet: a scripted target, no draft, no MTP head."""
 
     def __init__(self) -> None:
-        self.target = SlowRuntime(vocab=VOCAB, n_ctx=512)
+        self.target = SlowRuntime(vocab=VOCAB, n_ctx=512, n_seq=4)  # four requests at once
         self.draft = None
         self.mtp_head = None
         self.template = ChatTemplate(None)  # ChatML: no tools section
@@ -64,6 +70,7 @@ class ScriptedHost(Host):
 def server() -> Iterator[tuple[str, Daemon]]:
     cfg = Config(runtime=RuntimeConfig(n_ctx=512, prefix_reuse=False))
     cfg.sampling.max_tokens = 16
+    cfg.server.queue_depth = 2
     daemon = Daemon(cfg, opener=lambda c, **kw: ScriptedHost(c, ScriptedModels()))  # type: ignore[arg-type]
     daemon._plan = lambda: type("Plan", (), {"load_draft": False, "n_ctx": 512})()  # type: ignore[method-assign]  # no GGUF
     srv = ThreadServer(create_app(daemon, address="127.0.0.1")).start()
@@ -192,3 +199,52 @@ def test_streams_carry_only_data_lines_unless_pings_are_configured(server: tuple
     finally:
         daemon.cfg.server.sse_ping_s = 0
         target.delay_s = 0.0
+
+
+def test_concurrent_streams_each_get_exactly_their_answer_alone_while_sharing_passes(server: tuple[str, Daemon]) -> None:
+    url, daemon = server
+    prompts = ["hello there", "def f(x):", "a b c d e f", "the quick brown fox"]
+    alone = [chat_with(url, p) for p in prompts]
+    SlowRuntime.delay_s = 0.02  # passes last long enough for the four to overlap
+    seen_running: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen_running.append(len(daemon.running_view()))  # what /v1/homespec/stats lists
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: chat_with(url, p, stream=True), prompts))
+    finally:
+        stop.set()
+        watcher.join()
+        SlowRuntime.delay_s = 0.0
+    assert together == alone
+    assert max(seen_running) >= 2  # several requests were running at once
+    passes = daemon.session.models.target.passes
+    assert any(len(p) >= 2 for p in passes)  # and they shared target passes
+
+
+def chat_with(url: str, prompt: str, stream: bool = False) -> str:
+    c = client(url)
+    args: dict[str, Any] = {"model": "homespec", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+                            "extra_body": {"homespec": {"speculation": "ngram", "k": 3}}}
+    if not stream:
+        return c.chat.completions.create(**args).choices[0].message.content or ""
+    return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **args) if ch.choices)
+
+
+@pytest.mark.parametrize("value", ["high", "11", "-11", "1.5", ""])
+def test_a_bad_priority_header_is_a_400_naming_it(server: tuple[str, Daemon], value: str) -> None:
+    url, _ = server
+    r = httpx.post(url + "/v1/chat/completions", headers={"X-Homespec-Priority": value}, timeout=WAIT_S,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert "X-Homespec-Priority" in r.json()["error"]["message"]
+    ok = client(url).chat.completions.create(model="homespec", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                             extra_headers={"X-Homespec-Priority": "5"})
+    assert ok.choices[0].finish_reason == "length"

@@ -123,11 +123,32 @@ def homespec_extra(daemon: Daemon, stats: GenerationStats, meta: dict[str, Any])
     return oa.homespec_stats(stats, str(meta.get("mode", "auto")), bool(meta.get("cold")), baseline)
 
 
+PRIORITY_HEADER = "x-homespec-priority"
+PRIORITY_RANGE = range(-10, 11)
+
+
+def request_priority(request: Request) -> int:
+    """The job's priority from its X-Homespec-Priority header (-10..10, higher first; none: 0).
+    A voice pipeline sends 5, say, and is admitted and read ahead of chat and autocomplete."""
+    raw = request.headers.get(PRIORITY_HEADER)
+    if raw is None:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value not in PRIORITY_RANGE:
+        raise oa.ApiError(400, f"header X-Homespec-Priority must be an integer from {PRIORITY_RANGE[0]} to {PRIORITY_RANGE[-1]}, "
+                          f"got {raw!r}", param="X-Homespec-Priority")
+    return value
+
+
 def submit(request: Request, job: Job) -> Bridge:
     """Queue the job; its events arrive on the returned bridge. A full queue is a 429 and models
     that are not loaded a 503, both with the Retry-After the daemon estimates."""
     bridge = Bridge()
     job.sink = bridge.sink
+    job.priority = request_priority(request)
     try:
         daemon_of(request).submit(job)
     except QueueFull as e:

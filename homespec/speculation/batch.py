@@ -1,0 +1,176 @@
+"""Several generations decoded together: each round packs every running generation's next target
+pass (its last token plus its draft, or a chunk of its prompt) into one llama_decode.
+
+The engine yields its passes (engine.Pass) instead of running them; this driver collects one from
+each generation, runs them as one batch through `eval_many` (llama/runtime.py: per-sequence ids
+and positions in one llama_decode), and sends each generation its own rows. Verification,
+sampling and stop conditions stay inside each generation, so exactness is per request, as alone.
+
+A prompt is prefilled in chunks of at most `prefill_chunk` tokens per round, oldest request first,
+beside the running decodes: a 500-token prompt takes ~12 s to read on 2 cores, and in one piece it
+would stall every other request for that long. Each generation is told, with every event, how many
+rows the others brought to the last pass (`alongside`), so its policy prices its own draft at what
+it adds to the shared pass rather than at a pass of its own (controller.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from homespec.speculation.engine import Event, Pass, Steps
+from homespec.speculation.target import Output, Target
+
+# (target, tokens, output) per part -> logits per part; Runtime.eval_many.
+EvalMany = Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]]
+
+
+@dataclass
+class _Running:
+    key: Hashable
+    steps: Steps
+    priority: int
+    order: int  # admission order: among equal priorities, the older request's prompt goes first
+    pending: Pass | None = None
+    done: int = 0  # tokens of `pending` already evaluated (a prompt read in chunks)
+    rows: list[np.ndarray] = field(default_factory=list)  # logits of those chunks (output "all")
+
+
+@dataclass
+class RoundStats:
+    rows: int  # tokens in the pass
+    sequences: int  # generations in it
+    prefill_rows: int  # of which prompt chunks
+    seconds: float
+
+
+class Batch:
+    """The running generations of one target; not thread-safe (the daemon's worker drives it)."""
+
+    def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int) -> None:
+        self.eval_many = eval_many
+        self.n_batch = n_batch  # tokens per llama_decode at most
+        self.prefill_chunk = prefill_chunk  # prompt tokens per round at most (all prompts together)
+        self._running: dict[Hashable, _Running] = {}
+        self._admitted = 0
+        self.last: RoundStats | None = None
+        self._failed: list[tuple[Hashable, Exception]] = []  # generations that raised, not yet reported
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._running
+
+    def add(self, key: Hashable, steps: Steps, priority: int = 0) -> list[Event]:
+        """Start a generation (engine.Engine.steps); returns the events it produced before its
+        first pass (none, today: a generation starts by reading its prompt)."""
+        r = _Running(key, steps, priority, self._admitted)
+        self._admitted += 1
+        self._running[key] = r
+        return self._advance(r, None)
+
+    def remove(self, key: Hashable) -> None:
+        """Stop a generation (its client left, its deadline passed): its caches stay consistent."""
+        r = self._running.pop(key, None)
+        if r is not None:
+            r.steps.close()
+
+    def close(self) -> None:
+        for key in list(self._running):
+            self.remove(key)
+
+    def take_failures(self) -> list[tuple[Hashable, Exception]]:
+        """Generations that raised since the last call (removed; the others run on)."""
+        out, self._failed = self._failed, []
+        return out
+
+    def step(self) -> list[tuple[Hashable, Event]]:
+        """One round: one target pass for every running generation; the events it produced.
+        A generation that ended (its last event has a finish_reason) is removed."""
+        parts = self._pack()
+        if not parts:
+            return []
+        t0 = time.perf_counter()
+        if len(parts) == 1:  # one generation: its own pass, exactly as it runs alone (engine.run_alone)
+            r, toks, out = parts[0]
+            outs = [r.pending.target.eval(toks, out)]  # type: ignore[union-attr]
+        else:
+            outs = self.eval_many([(r.pending.target, toks, out) for r, toks, out in parts])  # type: ignore[union-attr]
+        seconds = time.perf_counter() - t0
+        rows = sum(len(toks) for _, toks, _ in parts)
+        prefill = sum(len(toks) for r, toks, _ in parts if _is_prefill(r.pending))  # type: ignore[arg-type]
+        self.last = RoundStats(rows, len(parts), prefill, seconds)
+        events: list[tuple[Hashable, Event]] = []
+        for (r, toks, _), logits in zip(parts, outs):
+            p = r.pending
+            assert p is not None
+            r.done += len(toks)
+            if p.output == "all" or r.done == len(p.tokens):
+                r.rows.append(logits)
+            if r.done < len(p.tokens):
+                continue  # more of the prompt next round
+            p.rows, p.seconds = rows, seconds
+            reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
+            r.pending, r.done, r.rows = None, 0, []
+            events += [(r.key, ev) for ev in self._advance(r, reply, alongside=rows - len(toks))]
+        return events
+
+    def _pack(self) -> list[tuple[_Running, list[int], Output]]:
+        """This round's parts: every decode step whole, then prompt chunks, highest priority and
+        oldest first, within prefill_chunk and n_batch."""
+        waiting = [r for r in self._running.values() if r.pending is not None]
+        decoding = [r for r in waiting if not _is_prefill(r.pending)]  # type: ignore[arg-type]
+        reading = sorted((r for r in waiting if _is_prefill(r.pending)), key=lambda r: (-r.priority, r.order))  # type: ignore[arg-type]
+        parts: list[tuple[_Running, list[int], Output]] = []
+        room = self.n_batch
+        for r in decoding:
+            p = r.pending
+            assert p is not None
+            if len(p.tokens) > room:
+                break
+            parts.append((r, p.tokens, p.output))
+            room -= len(p.tokens)
+        chunk = min(self.prefill_chunk, room) if parts else room  # alone: read as fast as possible
+        for r in reading:
+            if chunk <= 0:
+                break
+            p = r.pending
+            assert p is not None
+            toks = p.tokens[r.done : r.done + chunk]
+            last = r.done + len(toks) == len(p.tokens)
+            parts.append((r, toks, p.output if (last or p.output == "all") else "none"))
+            chunk -= len(toks)
+        return parts
+
+    def _advance(self, r: _Running, reply: np.ndarray | None, alongside: int = 0) -> list[Event]:
+        """Run a generation from its last pass to its next one; collect its events."""
+        events: list[Event] = []
+        msg: np.ndarray | int | None = reply
+        while True:
+            try:
+                item = r.steps.send(msg)
+            except StopIteration:
+                self._running.pop(r.key, None)
+                return events
+            except Exception as e:  # one request's bug (a grammar, a proposer) ends only it
+                self._running.pop(r.key, None)
+                self._failed.append((r.key, e))
+                return events
+            if isinstance(item, Pass):
+                r.pending = item
+                return events
+            events.append(item)
+            if item.finish_reason is not None:  # the generation's last event
+                self._running.pop(r.key, None)
+                r.steps.close()
+                return events
+            msg = alongside
+
+
+def _is_prefill(p: Pass) -> bool:
+    """A prompt read (output "last"/"none") rather than a verify step (output "all")."""
+    return p.output != "all"

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Several home apps at once (issue #16's bar), measured against a real daemon with the `openai`
+client, streaming, greedy, client-side timing:
+
+1. aggregate output tokens/s of N clients at once (mixed code / edit / chat prompts from the
+   bench) against the same requests one at a time, in the same daemon (a request alone runs
+   exactly as in a daemon with server.parallel 1), rounds interleaved;
+2. TTFT of a short request with X-Homespec-Priority: 5 while N - 1 long ones run, against its
+   TTFT on the idle daemon;
+3. whether each request's text is the same at once as alone.
+
+    .venv/bin/python scripts/parallel_load.py [--config config.yaml] [--clients 4] [--max-tokens 128] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_daemon import start, stop, write_config
+
+from homespec.serving.bench import load_workloads
+
+
+def mixed_prompts(n: int) -> list[tuple[str, list[dict]]]:
+    """n chat prompts, taking code, edit and chat in turn."""
+    loads = {w.name: [p for p in w.prompts if p.messages] for w in load_workloads(("code", "edit", "chat"))}
+    names = list(loads)
+    return [(names[i % 3], loads[names[i % 3]][i // 3].messages) for i in range(n)]
+
+
+def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, priority: int = 0) -> dict:
+    t0 = time.perf_counter()
+    ttft, text, n = None, "", 0
+    stream = client.chat.completions.create(
+        model="homespec", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Homespec-Priority": str(priority)},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft or time.perf_counter() - t0
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            n = chunk.usage.completion_tokens
+    return {"text": text, "tokens": n, "ttft": ttft, "seconds": time.perf_counter() - t0}
+
+
+def together(client: openai.OpenAI, jobs: list[tuple[list[dict], int, int]]) -> tuple[list[dict], float]:
+    out: list[dict | None] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        messages, max_tokens, priority = jobs[i]
+        out[i] = ask(client, messages, max_tokens, priority)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - t0  # type: ignore[return-value]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=Path("config.yaml"))
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="homespec-parallel-"))
+    proc, url, ready_s = start(write_config(args.config, {"server": {"parallel": args.clients}}, tmp / "config.yaml"))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
+    try:
+        prompts = mixed_prompts(args.clients)
+        ask(client, prompts[0][1], 8)  # warm the first request's path
+        seq_rates, par_rates, same, total = [], [], 0, 0
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            alone = [ask(client, m, args.max_tokens) for _, m in prompts]
+            seq_s = time.perf_counter() - t0
+            at_once, par_s = together(client, [(m, args.max_tokens, 0) for _, m in prompts])
+            seq_tps = sum(a["tokens"] for a in alone) / seq_s
+            par_tps = sum(a["tokens"] for a in at_once) / par_s
+            seq_rates.append(seq_tps)
+            par_rates.append(par_tps)
+            same += sum(a["text"] == b["text"] for a, b in zip(alone, at_once))
+            total += len(prompts)
+            print(f"round {r + 1}: one at a time {seq_tps:.2f} tok/s ({seq_s:.1f} s), {args.clients} at once "
+                  f"{par_tps:.2f} tok/s ({par_s:.1f} s): {par_tps / seq_tps:.2f}x", flush=True)
+            for (kind, _), a, b in zip(prompts, alone, at_once):
+                print(f"    {kind:5s} alone {a['tokens']:4d} tok ttft {a['ttft']:.2f} s | at once {b['tokens']:4d} tok "
+                      f"ttft {b['ttft']:.2f} s | {'same text' if a['text'] == b['text'] else 'text differs'}")
+        print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
+              f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
+              f"{same}/{total} texts identical")
+
+        short = [{"role": "user", "content": "Turn on the kitchen lights. Reply with one short sentence."}]
+        idle = [ask(client, short, 16, priority=5)["ttft"] for _ in range(3)]
+        long_jobs = [(m, 160, 0) for _, m in prompts[: args.clients - 1]]
+        ttfts = []
+        for _ in range(2):
+            runner = threading.Thread(target=together, args=(client, long_jobs))
+            runner.start()
+            time.sleep(8.0)  # the long ones are past their prompts and decoding
+            ttfts.append(ask(client, short, 16, priority=5)["ttft"])
+            runner.join()
+        print(f"short request, priority 5: TTFT idle {statistics.median(idle):.2f} s, beside {args.clients - 1} long "
+              f"{statistics.median(ttfts):.2f} s ({statistics.median(ttfts) / statistics.median(idle):.2f}x)")
+    finally:
+        stop(proc)
+
+
+if __name__ == "__main__":
+    main()

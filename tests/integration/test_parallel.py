@@ -1,0 +1,124 @@
+"""Several requests in one target pass on the real models (llama/runtime.py eval_many,
+speculation/batch.py): each request's greedy output obeys DESIGN.md's exactness rules as if it
+ran alone — (a) every emitted token is the argmax of the rows that verified it, (b) the output
+equals the request's plain decoding alone up to a near-tie (top-2 margin below 2 epsilon)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from homespec.llama.runtime import Runtime, RuntimeOptions
+from homespec.speculation.batch import Batch
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.proposers.ngram import NgramProposer
+from tests.conftest import DRAFT, TARGET, require
+from tests.integration.exactness import encode, first_divergence, margin
+from tests.integration.test_exactness import PROMPTS
+
+pytestmark = pytest.mark.integration
+
+SLOTS = 4
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def models():
+    opts = RuntimeOptions(n_ctx=1024, n_batch=256, n_seq=SLOTS)
+    target, draft = Runtime(require(TARGET), opts), Runtime(require(DRAFT), opts)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def plain_alone(rt: Runtime, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """Plain greedy decoding in slot 0, one token a pass: the tokens and each row's top-2 margin."""
+    rt.reset()
+    row = rt.sync(prompt)[0]
+    out, margins = [], []
+    for _ in range(MAX_TOKENS):
+        out.append(int(np.argmax(row)))
+        margins.append(margin(row))
+        if rt.is_eog(out[-1]):
+            break
+        row = rt.eval(out[-1:], "all")[0]
+    rt.reset()
+    return out, margins
+
+
+def test_rows_of_several_sequences_in_one_pass_match_each_sequence_alone(models, epsilon) -> None:
+    rt, _ = models
+    prompts = [encode(rt, t) for t in PROMPTS[:3]]
+    alone = []
+    for i, p in enumerate(prompts):
+        s = rt.slot(i)
+        s.reset()
+        alone.append(s.sync(p, "last")[0])  # [vocab] after the prompt
+        s.truncate(len(p) - 1)
+    rows = rt.eval_many([(rt.slot(i), p[-1:], "all") for i, p in enumerate(prompts)])
+    delta = max(float(np.abs(r[0] - a).max()) for r, a in zip(rows, alone))
+    print(f"\nmax |Δlogit| of 3 sequences in one pass vs each alone: {delta:.4f} (epsilon {epsilon:.4f})")
+    for r, a in zip(rows, alone):
+        assert r.shape == (1, rt.n_vocab)
+        if margin(a) > 2 * epsilon:
+            assert int(np.argmax(r[0])) == int(np.argmax(a))
+    assert [len(rt.slot(i).tokens) for i in range(3)] == [len(p) for p in prompts]
+    for i in range(3):
+        rt.slot(i).reset()
+
+
+def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_ties(models, epsilon) -> None:
+    rt, draft = models
+    prompts = [encode(rt, t) for t in PROMPTS]
+    reference = [plain_alone(rt, p) for p in prompts]
+    rows: dict[tuple[int, int], np.ndarray] = {}  # (slot, position) -> the logits row that scored it
+
+    def recording_eval_many(parts):
+        starts = [len(t.tokens) for t, _, _ in parts]
+        outs = rt.eval_many(parts)
+        for (t, toks, output), start, out in zip(parts, starts, outs):
+            if output == "all":
+                rows.update({(t.seq, start + i): out[i] for i in range(len(toks))})
+        return outs
+
+    policies = [  # a different proposer per request, k = 0 included
+        FixedPolicy(DraftProposer(draft.slot(0), rt.n_vocab), 4),
+        FixedPolicy(),
+        FixedPolicy(NgramProposer(2, 5), 4),
+        FixedPolicy(DraftProposer(draft.slot(3), rt.n_vocab), 2),
+    ]
+    batch = Batch(recording_eval_many, n_batch=rt.n_batch, prefill_chunk=32)
+    stats = [GenerationStats() for _ in prompts]
+    out: dict[int, list[int]] = {i: [] for i in range(SLOTS)}
+    for i, p in enumerate(prompts):
+        rt.slot(i).reset()
+        draft.slot(i).reset()
+        for ev in batch.add(i, Engine(rt.slot(i)).steps(p, max_tokens=MAX_TOKENS, policy=policies[i], stats=stats[i])):
+            out[i] += ev.tokens
+    shared = 0
+    while len(batch):
+        for key, ev in batch.step():
+            out[int(key)] += ev.tokens  # type: ignore[call-overload]
+        shared += batch.last is not None and batch.last.sequences > 1
+    assert shared >= 10  # the requests stepped together, not one after another
+    diverged = 0
+    for i, p in enumerate(prompts):
+        # (a) every emitted token after the first that a shared pass verified is its argmax
+        for j, tok in enumerate(out[i][1:], start=1):
+            row = rows.get((i, len(p) + j - 1))
+            if row is not None:
+                assert int(np.argmax(row)) == tok, f"request {i} token {j} is not the target's argmax"
+        # (b) the request's own plain decoding, or a divergence at one of its near-ties
+        plain, margins = reference[i]
+        j = first_divergence(plain, out[i])
+        if j is None:
+            assert out[i] == plain[: len(out[i])] and len(out[i]) == len(plain)
+            continue
+        diverged += 1
+        assert margins[j] < 2 * epsilon, (
+            f"request {i} diverged at token {j} where its plain margin was {margins[j]:.3f} >= 2 epsilon"
+        )
+    print(f"\n{SLOTS} requests in one batch: {diverged} diverged from plain, all at near-ties; "
+          f"{sum(s.proposed for s in stats)} tokens proposed, {shared} shared passes")
+    assert sum(s.proposed for s in stats) > 0

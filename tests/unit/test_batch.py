@@ -1,0 +1,172 @@
+"""Several generations in one pass (speculation/batch.py) on a scripted multi-sequence model:
+each request's output equals its output alone, passes are shared, prompts are read in chunks
+beside running decodes, and one request ending (or failing) leaves the others running."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+import pytest
+
+from homespec.speculation.batch import Batch
+from homespec.speculation.engine import Engine, Event, FixedPolicy, GenerationStats, Steps
+from homespec.speculation.proposers.draft import DraftProposer
+from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.speculation.sampling import SamplingParams
+
+from .fakes import FakeRuntime
+
+PROMPTS = [
+    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5],
+    [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9],
+    [1, 1, 2, 3, 5, 8, 13, 21, 34],
+    [9, 9, 8, 2, 4, 4, 3, 5, 3, 6, 1, 7],
+]
+
+
+def policies(rt: FakeRuntime, draft: FakeRuntime, slot: int) -> list[FixedPolicy]:
+    """A different fixed policy per request: plain, prompt lookup, a draft model (its own
+    sequence of the draft), and a wrong draft."""
+    return [
+        FixedPolicy(),
+        FixedPolicy(NgramProposer(1, 3), 4),
+        FixedPolicy(DraftProposer(draft.slot(slot), rt.n_vocab), 3),
+        FixedPolicy(DraftProposer(FakeRuntime(seed=7), rt.n_vocab), 2),
+    ]
+
+
+def alone(prompt: list[int], policy: FixedPolicy, **kw) -> list[int]:
+    events = Engine(FakeRuntime()).generate(prompt, policy=policy, **kw)
+    return [t for e in events for t in e.tokens]
+
+
+def drive(batch: Batch, starts: dict[Hashable, Steps], max_rounds: int = 1000) -> dict[Hashable, list[Event]]:
+    out: dict[Hashable, list[Event]] = {key: [] for key in starts}
+    for key, steps in starts.items():
+        out[key] += batch.add(key, steps)
+    for _ in range(max_rounds):
+        if not len(batch):
+            return out
+        for key, ev in batch.step():
+            out[key].append(ev)
+    raise AssertionError("the batch never finished")
+
+
+def tokens(events: list[Event]) -> list[int]:
+    return [t for e in events for t in e.tokens]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)], ids=["greedy", "seeded"])
+def test_each_request_in_a_batch_emits_exactly_what_it_emits_alone(params: SamplingParams) -> None:
+    rt, draft = FakeRuntime(n_seq=4), FakeRuntime(n_seq=4)
+    want = [alone(p, policies(FakeRuntime(), FakeRuntime(), 0)[i], params=params, max_tokens=40) for i, p in enumerate(PROMPTS)]
+    starts = {
+        i: Engine(rt.slot(i)).steps(p, params, 40, policy=policies(rt, draft, i)[i]) for i, p in enumerate(PROMPTS)
+    }
+    got = drive(Batch(rt.eval_many, n_batch=512, prefill_chunk=64), starts)
+    assert [tokens(got[i]) for i in range(4)] == want
+    assert all(got[i][-1].finish_reason == "length" for i in range(4))
+
+
+def test_running_requests_share_one_pass_each_round_with_their_own_rows() -> None:
+    rt = FakeRuntime(n_seq=3)
+    starts = {i: Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=12, policy=FixedPolicy(NgramProposer(1, 3), 3)) for i in range(3)}
+    drive(Batch(rt.eval_many, n_batch=512, prefill_chunk=512), starts)
+    assert rt.passes[0] == [(0, len(PROMPTS[0])), (1, len(PROMPTS[1])), (2, len(PROMPTS[2]))]  # the prompts, together
+    shared = [p for p in rt.passes if len(p) == 3]
+    assert len(shared) >= 5  # the decode steps ran together, not one request after another
+    assert {seq for p in rt.passes for seq, _ in p} == {0, 1, 2}
+    for p in shared[1:]:
+        assert all(1 <= n <= 4 for _, n in p)  # [last] + up to k = 3 drafts per request
+
+
+def test_a_long_prompt_is_read_in_chunks_while_running_requests_keep_decoding() -> None:
+    rt = FakeRuntime(n_seq=2, n_ctx=1024)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    events: dict[Hashable, list[Event]] = {"short": [], "long": []}
+    events["short"] += batch.add("short", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=60))
+    for key, ev in batch.step():  # its prompt, alone: read whole
+        events[key].append(ev)
+    long_prompt = [(7 * i) % 60 for i in range(300)]
+    events["long"] += batch.add("long", Engine(rt.slot(1)).steps(long_prompt, max_tokens=5))
+    rounds = 0
+    while not events["long"]:
+        before = len(events["short"])
+        for key, ev in batch.step():
+            events[key].append(ev)
+        rounds += 1
+        assert len(events["short"]) == before + 1  # a step of the short request every round
+        assert batch.last is not None and batch.last.prefill_rows <= 32
+    assert rounds == -(-300 // 32)  # the prompt took ceil(300 / 32) rounds, one chunk each
+    solo = alone(long_prompt, FixedPolicy(), max_tokens=5)
+    while len(batch):
+        for key, ev in batch.step():
+            events[key].append(ev)
+    assert tokens(events["long"]) == solo  # read in chunks, the same answer
+
+
+def test_the_higher_priority_prompt_is_read_first() -> None:
+    rt = FakeRuntime(n_seq=3)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8)
+    batch.add("running", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=50))
+    batch.step()
+    batch.add("low", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=5), priority=0)
+    batch.add("high", Engine(rt.slot(2)).steps(PROMPTS[2], max_tokens=5), priority=5)
+    batch.step()
+    assert rt.passes[-1] == [(0, 1), (2, 8)]  # the decode step, then the high-priority prompt's chunk
+
+
+def test_removing_a_request_leaves_its_cache_consistent_and_the_others_running() -> None:
+    rt = FakeRuntime(n_seq=2)
+    want = alone(PROMPTS[1], FixedPolicy(), max_tokens=30)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
+    got: dict[Hashable, list[Event]] = {0: [], 1: []}
+    for i in (0, 1):
+        got[i] += batch.add(i, Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=30, policy=FixedPolicy(NgramProposer(1, 3), 4)))
+    for _ in range(4):
+        for key, ev in batch.step():
+            got[key].append(ev)
+    batch.remove(0)  # its client hung up
+    assert 0 not in batch and len(batch) == 1
+    committed = PROMPTS[0] + tokens(got[0])
+    assert rt.slot(0).tokens == committed[:-1]  # the cache holds every committed token but the last
+    while len(batch):
+        for key, ev in batch.step():
+            got[key].append(ev)
+    assert tokens(got[1]) == want
+
+
+class Exploding(NgramProposer):
+    def propose(self, *a, **kw):
+        raise RuntimeError("a proposer bug")
+
+
+def test_a_request_that_raises_ends_alone_and_is_reported() -> None:
+    rt = FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
+    ok = GenerationStats()
+    batch.add("ok", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=10, stats=ok))
+    batch.add("bad", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=10, policy=FixedPolicy(Exploding(1, 3), 2)))
+    failures = []
+    while len(batch):
+        batch.step()
+        failures += batch.take_failures()
+    assert [(k, str(e)) for k, e in failures] == [("bad", "a proposer bug")]
+    assert ok.completion_tokens == 10 and ok.finish_reason == "length"
+
+
+def test_a_pass_of_one_request_runs_through_its_own_eval_as_alone() -> None:
+    """A request alone in the batch takes the same path as engine.run_alone (Runtime.eval keeps
+    the hidden states the MTP head reads): no eval_many call."""
+    rt = FakeRuntime(n_seq=2)
+    drive(Batch(rt.eval_many, n_batch=512, prefill_chunk=8), {0: Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=5)})
+    assert rt.passes == [] and rt.evals[0] == len(PROMPTS[0])  # the prompt in one piece, alone
+
+
+def test_eval_many_rows_match_each_sequence_evaluated_alone() -> None:
+    """The scripted stand-in's contract, as the real one's (tests/integration/test_parallel.py)."""
+    rt = FakeRuntime(n_seq=2)
+    a, b = rt.eval_many([(rt.slot(0), [1, 2, 3], "all"), (rt.slot(1), [4, 5], "last")])
+    assert a.shape == (3, rt.n_vocab) and b.shape == (1, rt.n_vocab)
+    np.testing.assert_array_equal(b[0], FakeRuntime().eval([4, 5], "last")[0])
