@@ -103,15 +103,19 @@ def main() -> None:
               f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
               f"{same}/{total} texts identical")
 
-        short = [{"role": "user", "content": "Turn on the kitchen lights. Reply with one short sentence."}]
-        idle = [ask(client, short, 16, priority=5)["ttft"] for _ in range(3)]
+        rooms = iter(["kitchen", "hallway", "bedroom", "garage", "office", "porch", "attic", "cellar"])
+
+        def short() -> list[dict]:  # a new command each time: its words are not in any cache
+            return [{"role": "user", "content": f"Turn on the {next(rooms)} lights. Reply with one short sentence."}]
+
+        idle = [ask(client, short(), 16, priority=5)["ttft"] for _ in range(3)]
         long_jobs = [(m, 160, 0) for _, m in prompts[: args.clients - 1]]
         ttfts = []
         for _ in range(2):
             runner = threading.Thread(target=together, args=(client, long_jobs))
             runner.start()
             time.sleep(8.0)  # the long ones are past their prompts and decoding
-            ttfts.append(ask(client, short, 16, priority=5)["ttft"])
+            ttfts.append(ask(client, short(), 16, priority=5)["ttft"])
             runner.join()
         print(f"short request, priority 5: TTFT idle {statistics.median(idle):.2f} s, beside {args.clients - 1} long "
               f"{statistics.median(ttfts):.2f} s ({statistics.median(ttfts) / statistics.median(idle):.2f}x)")

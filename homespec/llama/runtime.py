@@ -328,8 +328,9 @@ class Runtime:
                 raise ContextFull(len(slot.tokens) + len(toks), self.n_ctx)
         if n == 0:
             return [np.empty((0, self.n_vocab), np.float32) for _ in parts]
-        self._set_embeddings(False)  # the hidden states of slot 0 stop being contiguous here
-        self._hid_n = 0
+        self._set_embeddings(False)
+        if any(slot.seq == 0 for slot, _, _ in parts):
+            self._hid_n = 0  # slot 0's kept hidden states stop being contiguous here
         b = self._batch
         i = 0
         n_out: list[int] = []  # [parts] rows of logits each part gets

@@ -122,6 +122,7 @@ class Daemon:
         self.live = LiveStats()
         self.metrics = Metrics()
         self.footprints: tuple[Any, Any] = (None, None)  # (target, draft) memory.Footprint at the planned n_ctx
+        self.slots = cfg.server.parallel  # KV sequences the plan found room for
         self.load_s: float | None = None
         self.warmup_s: float | None = None
         # The target's chat template, kept from the last load (the model may be unloaded after
@@ -133,6 +134,7 @@ class Daemon:
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._active: dict[str, _Active] = {}  # job id -> the jobs generating now
+        self._starting: dict[str, Job] = {}  # admitted, being started (a load may take ~30 s)
         self._batch: Batch | None = None  # drives them (one per loaded session)
         self.mean_batch_rows: float | None = None  # tokens per target pass, EWMA over ~10 passes
         self._accepting = True
@@ -175,11 +177,11 @@ class Daemon:
         self.begin_drain()
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while self._active and time.monotonic() < deadline:
+            while (self._active or self._starting) and time.monotonic() < deadline:
                 self._cv.wait(0.1)
-            finished = not self._active
-            for a in self._active.values():
-                a.job.cancel()
+            finished = not (self._active or self._starting)
+            for job in [*(a.job for a in self._active.values()), *self._starting.values()]:
+                job.cancel()
             self._stop = True
             self._cv.notify_all()
         self._worker.join(timeout=10)
@@ -217,7 +219,7 @@ class Daemon:
             # Room for the running jobs plus queue_depth waiting. Count them together: a job the
             # worker has not popped yet is about to run, so whether it still sits in the queue
             # (a thread-scheduling race) must not decide between 200 and 429.
-            in_system = len(self._queue) + len(self._active)
+            in_system = len(self._queue) + len(self._active) + len(self._starting)
             if in_system >= self.cfg.server.queue_depth + self.cfg.server.parallel:
                 raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1) / self.cfg.server.parallel)
             self._queue.append(job)
@@ -238,7 +240,7 @@ class Daemon:
 
     def queue_view(self) -> tuple[int, int]:
         with self._cv:
-            return len(self._active), len(self._queue)
+            return len(self._active) + len(self._starting), len(self._queue)
 
     # -- worker ---------------------------------------------------------------------------------
 
@@ -267,7 +269,7 @@ class Daemon:
                 for job in admitted:
                     self._guarded(job, self._start)
                 if self._active:
-                    self._round()
+                    self._guarded_round()
         finally:
             self._end_all("the daemon is shutting down")
 
@@ -280,9 +282,10 @@ class Daemon:
             job = max(self._queue, key=lambda j: j.priority)  # max keeps the first (oldest) of equals
             busy = len(self._active) + len(out)
             alone = job.encode is None or self.session is None
-            if busy and (alone or busy >= self.parallel()):
-                break
+            if busy and (alone or busy >= self.parallel() or self._pending_control):
+                break  # (a pending draft shed or reload waits for the running set to drain)
             self._queue.remove(job)
+            self._starting[job.id] = job
             out.append(job)
             if alone:
                 break
@@ -310,7 +313,7 @@ class Daemon:
         return out
 
     def _guarded(self, job: Job, fn: Callable[[Job], None]) -> None:
-        """Never let one request kill the worker."""
+        """Never let one request kill the worker: a failure ends only it."""
         try:
             fn(job)
         except Exception as e:
@@ -318,6 +321,19 @@ class Daemon:
             self._drop(job.id)
             job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
             self._job_ended(job)
+        finally:
+            with self._cv:
+                self._starting.pop(job.id, None)
+
+    def _guarded_round(self) -> None:
+        try:
+            self._round()
+        except Exception as e:  # a bug outside any one request: end the running set, keep serving
+            log.exception("a round failed")
+            for a in list(self._active.values()):
+                self._drop(a.job.id)
+                a.job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
+                self._job_ended(a.job)
 
     def _job_ended(self, job: Job) -> None:
         with self._cv:
@@ -358,12 +374,22 @@ class Daemon:
             # backend supports it, so only an explicit off plans for the buffer without it.
             flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers) is not False,
         )
-        slots = cfg.server.parallel  # each request decoding at once has a KV sequence of n_ctx
+        # Each request decoding at once has a KV sequence of n_ctx. Fewer slots are the smallest
+        # loss when memory is short: first the most slots that fit the configured models as they
+        # are, then one slot under memory.policy (shrink the context, drop the draft, refuse).
+        headroom = read_headroom()
+        as_configured = cfg.memory.model_copy(update={"policy": "refuse"})
+        for slots in range(cfg.server.parallel, 0, -1):
+            def at_slots(n_ctx: int, slots: int = slots) -> tuple[Any, Any]:
+                return at(n_ctx * slots)
 
-        def at_slots(n_ctx: int) -> tuple[Any, Any]:
-            return at(n_ctx * slots)
-
-        plan = plan_load(at_slots, read_headroom(), cfg.memory, n_ctx=cfg.runtime.n_ctx).require()
+            plan = plan_load(at_slots, headroom, as_configured if slots > 1 else cfg.memory, n_ctx=cfg.runtime.n_ctx)
+            if plan.decision != "refuse":
+                break
+        plan.require()
+        if slots < cfg.server.parallel:
+            log.warning("memory: %d of server.parallel %d requests can decode at once", slots, cfg.server.parallel)
+        self.slots = slots
         self.footprints = at_slots(plan.n_ctx)
         return plan
 
@@ -402,7 +428,7 @@ class Daemon:
         self.state = "loading"
         t0 = time.perf_counter()
         self.plan = plan = self._plan()
-        session = self._open(self.cfg, with_draft=plan.load_draft, n_ctx=plan.n_ctx, slots=self.cfg.server.parallel)
+        session = self._open(self.cfg, with_draft=plan.load_draft, n_ctx=plan.n_ctx, slots=self.slots)
         self.load_s = time.perf_counter() - t0
         self.state = "warming"
         self._progress = time.monotonic()
@@ -474,6 +500,7 @@ class Daemon:
         self._progress = time.monotonic()
         if job.cancelled.is_set():  # the client left while the job waited for its turn
             self._record_abandoned(job)
+            self._job_ended(job)
             return
         if job.encode is None and job.keep_alive_s == 0:  # Ollama's "unload now" (`ollama stop`)
             self._unload("a request asked (keep_alive 0)")
@@ -514,8 +541,9 @@ class Daemon:
             return self._refuse(job, f"text is not valid Unicode: {e.reason} at position {e.start}", "invalid_request")
         job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode, "load_s": load_s}))
         self.metrics.queue_wait.labels(str(job.priority)).observe(max(0.0, time.time() - job.created - load_s))
-        a = _Active(job, slot, stats, req.mode, cold, t0, time.monotonic() + job.timeout_s)
+        a = _Active(job, slot, stats, req.mode, cold, t0, time.monotonic() - load_s + job.timeout_s)
         with self._cv:
+            self._starting.pop(job.id, None)
             self._active[job.id] = a
             self.metrics.queue_running.set(len(self._active))
         for ev in batch.add(job.id, steps, job.priority):
@@ -547,7 +575,7 @@ class Daemon:
         for key, ev in events:
             a = self._active.get(str(key))
             if a is not None:
-                self._deliver(a, ev)
+                self._guarded(a.job, lambda job, a=a, ev=ev: self._deliver(a, ev))
         for key, e in batch.take_failures():
             a = self._active.get(str(key))
             if a is not None:
@@ -559,9 +587,9 @@ class Daemon:
             if a.job.id not in batch:  # it ended and _deliver finished it, or it never started
                 continue
             if a.job.cancelled.is_set():
-                self._finish(a, "cancelled")
+                self._guarded(a.job, lambda job, a=a: self._finish(a, "cancelled"))
             elif now > a.deadline:
-                self._finish(a, "timeout")
+                self._guarded(a.job, lambda job, a=a: self._finish(a, "timeout"))
 
     def _deliver(self, a: _Active, ev: Event) -> None:
         session = self.session

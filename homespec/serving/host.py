@@ -224,7 +224,10 @@ class Host:
 
     def pick_slot(self, tokens: Sequence[int], free: Sequence[int]) -> int:
         """The free slot whose cache shares the longest prefix with the prompt (a chat's next
-        turn finds its history); ties to the lowest number (slot 0 has every proposer)."""
+        turn finds its history); ties to the lowest number. With an MTP head, slot 0 whenever it
+        is free: only there does the head draft (the prefix cache restores a history anyway)."""
+        if self.models.mtp_head is not None and 0 in free:
+            return 0
         return max(free, key=lambda i: (common_prefix(self.models.target.slot(i).tokens, tokens), -i))
 
     def batch(self, prefill_chunk: int) -> Batch:

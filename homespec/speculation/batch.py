@@ -113,18 +113,29 @@ class Batch:
                 r.rows.append(logits)
             if r.done < len(p.tokens):
                 continue  # more of the prompt next round
-            p.rows, p.seconds = rows, seconds
+            # A pass that also read prompt chunks is not a verify pass of `rows` (a prompt row costs
+            # less and emits nothing): its time teaches the cost model nothing.
+            p.rows, p.seconds, p.timed = rows, seconds, not prefill
             reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
             r.pending, r.done, r.rows = None, 0, []
-            events += [(r.key, ev) for ev in self._advance(r, reply, alongside=rows - len(toks))]
+            # The others' decode rows: each emits about a token (prompt rows emit none).
+            alongside = rows - prefill - (len(toks) if not _is_prefill(p) else 0)
+            events += [(r.key, ev) for ev in self._advance(r, reply, alongside=alongside)]
         return events
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and
-        oldest first, within prefill_chunk and n_batch."""
+        oldest first, within prefill_chunk and n_batch. While a prompt of higher priority than
+        some running decodes is read, those decodes sit out: its first token comes as fast as on
+        an idle daemon (a voice command beside long chat answers), at the cost of a round or two
+        for them."""
         waiting = [r for r in self._running.values() if r.pending is not None]
         decoding = [r for r in waiting if not _is_prefill(r.pending)]  # type: ignore[arg-type]
         reading = sorted((r for r in waiting if _is_prefill(r.pending)), key=lambda r: (-r.priority, r.order))  # type: ignore[arg-type]
+        if reading:
+            urgent = reading[0].priority
+            decoding = [r for r in decoding if r.priority >= urgent]
+            reading = [r for r in reading if r.priority == urgent]
         parts: list[tuple[_Running, list[int], Output]] = []
         room = self.n_batch
         for r in decoding:
@@ -134,7 +145,11 @@ class Batch:
                 break
             parts.append((r, p.tokens, p.output))
             room -= len(p.tokens)
-        chunk = min(self.prefill_chunk, room) if parts else room  # alone: read as fast as possible
+        if not parts and len(reading) == 1:  # alone: the whole prompt in one eval, as run_alone
+            r = reading[0]
+            assert r.pending is not None
+            return [(r, r.pending.tokens[r.done :], r.pending.output)]
+        chunk = min(self.prefill_chunk, room) if parts else room
         for r in reading:
             if chunk <= 0:
                 break

@@ -288,7 +288,9 @@ class Controller:
 
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
-        if step.pass_rows > step.proposed + 1:  # batched with other requests: the whole pass
+        if not step.timed:  # the pass also read prompts: its time is no verify cost
+            pass
+        elif step.pass_rows > step.proposed + 1:  # batched with other requests: the whole pass
             self.cost.observe_verify(step.pass_rows, step.pass_s)
         else:
             self.cost.observe_verify(step.proposed + 1, step.verify_s)

@@ -73,6 +73,7 @@ class StepStats:
     # rows in verify_s (a pass of its own).
     pass_rows: int = 0
     pass_s: float = 0.0
+    timed: bool = True  # False: the pass also read prompts, its time is no verify cost
 
     @property
     def emitted(self) -> int:
@@ -213,6 +214,7 @@ class Pass:
     output: Output
     rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
     seconds: float = 0.0  # set by the driver: how long that decode took
+    timed: bool = True  # set by the driver: False when that decode also read prompt chunks
 
     def run(self) -> np.ndarray:
         t0 = time.perf_counter()
@@ -398,7 +400,7 @@ class Engine:
         verdict = replace(verdict, rows=logits[: verdict.accepted + 1])  # what logprobs read
         verify_s = time.perf_counter() - t0
         step = StepStats(name, k, len(d), verdict.accepted, proposal.draft_s, verify_s, tuple(verdict.outcomes),
-                         proposal.info, verify.rows, verify.seconds)
+                         proposal.info, verify.rows, verify.seconds, verify.timed)
         return verdict, step
 
 

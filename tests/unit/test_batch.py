@@ -106,15 +106,20 @@ def test_a_long_prompt_is_read_in_chunks_while_running_requests_keep_decoding() 
     assert tokens(events["long"]) == solo  # read in chunks, the same answer
 
 
-def test_the_higher_priority_prompt_is_read_first() -> None:
+def test_a_higher_priority_prompt_is_read_first_and_alone_while_lower_decodes_sit_out() -> None:
     rt = FakeRuntime(n_seq=3)
-    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=4)
     batch.add("running", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=50))
     batch.step()
     batch.add("low", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=5), priority=0)
     batch.add("high", Engine(rt.slot(2)).steps(PROMPTS[2], max_tokens=5), priority=5)
-    batch.step()
-    assert rt.passes[-1] == [(0, 1), (2, 8)]  # the decode step, then the high-priority prompt's chunk
+    events = batch.step()
+    # The high-priority prompt, whole (as on an idle daemon), in a pass of its own: through its
+    # own eval, with neither the running decode nor the other prompt.
+    assert rt.slot(2).evals == [len(PROMPTS[2])]
+    assert [key for key, _ in events] == ["high"]  # its first token; the others sat this round out
+    events = batch.step()
+    assert rt.passes[-1][0] == (0, 1) and {"running", "high"} <= {key for key, _ in events}  # all back together
 
 
 def test_removing_a_request_leaves_its_cache_consistent_and_the_others_running() -> None:

@@ -78,7 +78,9 @@ class MTPProposer:
         return max(0, min(self._real_end, common_prefix(self._seen, context) - 1, self.runner.end))
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
-        return Preview(k)
+        # The head drafts from the target's hidden state of the last verified position: after a
+        # pass shared with other requests (batch.py) there is none until the next pass alone.
+        return Preview(k if self.target.hidden_start <= len(context) - 2 else 0)
 
     def lag(self, context: Sequence[int]) -> int:
         """Head entries to (re)build before proposing for `context` (at most the window)."""
