@@ -83,6 +83,10 @@ class PrefixCache:
         log.debug("restored a saved cache of %d tokens (%d shared with the prompt)", len(entry.tokens), best_len)
         return best_len
 
+    def stash(self, rt: _StatefulRuntime) -> None:
+        """Save rt's cache (if long enough) before the caller empties it."""
+        self._save_live(rt, keep=0)
+
     def _save_live(self, rt: _StatefulRuntime, keep: int) -> None:
         """Save the live cache if the coming request would throw away much of it."""
         if len(rt.tokens) - keep < self.min_tokens or self.budget <= 0:

@@ -337,7 +337,10 @@ class Daemon:
 
     def _job_ended(self, job: Job) -> None:
         with self._cv:
-            self._active.pop(job.id, None)
+            a = self._active.pop(job.id, None)
+        if a is not None and self.session is not None:
+            self.session.release_slot(a.slot)  # on the worker thread, as every llama.cpp call
+        with self._cv:
             self._last_active = time.monotonic()
             self._keep_alive_s = self._keep_alive_after(job)
             self.metrics.queue_running.set(len(self._active))

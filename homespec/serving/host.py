@@ -230,6 +230,20 @@ class Host:
             return 0
         return max(free, key=lambda i: (common_prefix(self.models.target.slot(i).tokens, tokens), -i))
 
+    def release_slot(self, slot: int) -> None:
+        """A request in `slot` ended. Slot 0 keeps its history live (a lone user's next turn
+        finds it there); another slot hands its history to the prefix cache and empties: in the
+        unified cache every pass attends over all cells in use, and idle histories in three slots
+        (1,500 tokens each) cost a lone request 5-11 % per pass (measured)."""
+        if slot == 0:
+            return
+        target = self.models.target.slot(slot)
+        if self.prefix_cache is not None:
+            self.prefix_cache.stash(target)
+        target.reset()
+        if self.models.draft is not None:
+            self.models.draft.slot(slot).reset()
+
     def batch(self, prefill_chunk: int) -> Batch:
         """A driver for generations running together on this target."""
         return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk)

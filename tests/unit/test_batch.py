@@ -175,3 +175,36 @@ def test_eval_many_rows_match_each_sequence_evaluated_alone() -> None:
     a, b = rt.eval_many([(rt.slot(0), [1, 2, 3], "all"), (rt.slot(1), [4, 5], "last")])
     assert a.shape == (3, rt.n_vocab) and b.shape == (1, rt.n_vocab)
     np.testing.assert_array_equal(b[0], FakeRuntime().eval([4, 5], "last")[0])
+
+
+class Recorder(FixedPolicy):
+    """A fixed policy that records what each decision was told and each step's timing flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alongside: list[int] = []
+        self.timed: list[bool] = []
+
+    def decide(self, context, alongside=0):
+        self.alongside.append(alongside)
+        return super().decide(context, alongside)
+
+    def observe(self, step) -> None:
+        self.timed.append(step.timed)
+
+
+def test_the_rows_beside_a_request_count_other_decodes_not_prompt_chunks() -> None:
+    """The goodput maths counts each row beside a request as about one emitted token: prompt
+    rows emit none, and a pass that read prompts is no verify cost to learn from."""
+    rt = FakeRuntime(n_seq=3, n_ctx=1024)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    a, b = Recorder(), Recorder()
+    batch.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=40, policy=a))
+    batch.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=40, policy=b))
+    for _ in range(3):
+        batch.step()
+    assert a.alongside[-1] == 1 and b.alongside[-1] == 1  # each other's single decode row
+    batch.add("reader", Engine(rt.slot(2)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
+    batch.step()
+    assert a.alongside[-1] == 1  # the 32 prompt rows beside it are not counted
+    assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost

@@ -46,6 +46,9 @@ class FakeHost:
     def pick_slot(self, tokens: list[int], free: list[int]) -> int:
         return free[0]
 
+    def release_slot(self, slot: int) -> None:
+        pass
+
     def batch(self, prefill_chunk: int) -> Batch:
         return Batch(lambda parts: [], n_batch=512, prefill_chunk=prefill_chunk)
 
@@ -264,3 +267,29 @@ def test_a_job_that_loads_or_unloads_the_models_runs_alone() -> None:
     assert d._admit() == []
     d._active = {}
     assert d._admit() == [unload]
+
+
+def test_a_job_being_started_counts_as_running_for_the_queue_and_shutdown() -> None:
+    d = make_daemon(lambda c, **kw: FakeHost())
+    host = FakeHost()
+    host.slots = 4
+    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    job = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
+    d._queue.append(job)
+    assert d._admit() == [job]
+    assert d.queue_view() == (1, 0)  # admitted, not started yet (a cold load can take ~30 s)
+
+
+def test_a_pending_draft_shed_stops_admission_until_the_running_set_drains() -> None:
+    d = make_daemon(lambda c, **kw: FakeHost())
+    host = FakeHost()
+    host.slots = 4
+    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    running = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
+    d._active = {running.id: SimpleNamespace(job=running, slot=0)}  # type: ignore[misc]
+    waiting = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
+    d._queue.append(waiting)
+    d._pending_control.append("unload-draft")
+    assert d._admit() == []  # slots are free, but the draft must go first
+    d._active = {}
+    assert d._admit() == [waiting]
