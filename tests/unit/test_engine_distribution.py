@@ -127,3 +127,33 @@ def test_the_exact_reference_is_a_distribution_over_starts():
     assert sum(exact.values()) == pytest.approx(1.0)
     # top-k 4 bounds the starts; enough of them that the chi-square test has cells to compare
     assert 20 < len(exact) <= 4**N_TOKENS
+
+
+def test_requests_sampled_together_in_one_batch_each_keep_the_targets_distribution(fixed_rng):
+    """Four requests per pass (speculation/batch.py), each with its own draft sequence and k
+    (plain included): every request's start is still distributed as the target's."""
+    from homespec.speculation.batch import Batch
+
+    rt, drafts = FakeRuntime(vocab=VOCAB, seed=0, sharpness=1.0, n_seq=4), FakeRuntime(vocab=VOCAB, seed=0, sharpness=1.6, n_seq=4)
+    ks = [3, 0, 2, 3]
+    starts: list[tuple[int, ...]] = []
+    accepted = proposed = 0
+    for _ in range(DRAWS // 4):
+        batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
+        tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+        stats = [GenerationStats() for _ in range(4)]
+        for i, k in enumerate(ks):
+            policy = FixedPolicy(DraftProposer(drafts.slot(i), VOCAB), k) if k else FixedPolicy()
+            steps = Engine(rt.slot(i)).steps(PROMPT, SamplingParams(**PARAMS), max_tokens=N_TOKENS + 1, policy=policy, stats=stats[i])
+            for ev in batch.add(i, steps):
+                tokens[i] += ev.tokens
+        while len(batch):
+            for key, ev in batch.step():
+                tokens[int(key)] += ev.tokens  # type: ignore[call-overload]
+        starts += [tuple(tokens[i][:N_TOKENS]) for i in range(4)]
+        accepted += sum(s.accepted for s in stats)
+        proposed += sum(s.proposed for s in stats)
+    assert max(len(p) for p in rt.passes) == 4  # the four shared passes
+    assert 0.3 < accepted / proposed < 0.98
+    p = fit_pvalue(starts, exact_starts(SamplingParams(**PARAMS)))
+    assert p > 1e-3, f"batched: first {N_TOKENS} tokens not distributed as the target's (chi-square p = {p:.2g})"
