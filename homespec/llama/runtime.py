@@ -384,11 +384,7 @@ class Runtime:
         Returns the logits after the last token ([1, vocab] for "last"). At least the final token
         is always evaluated, since its logits are needed.
         """
-        keep = common_prefix(self.tokens, context)
-        if output != "none":
-            keep = min(keep, len(context) - 1)
-        self.truncate(keep)
-        return self.eval(context[keep:], output)
+        return self._slots[0].sync(context, output)
 
     def reset(self) -> None:
         """Empty sequence 0 (the other slots keep theirs)."""

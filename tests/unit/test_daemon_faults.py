@@ -238,12 +238,18 @@ def test_http_health_is_503_with_the_reason_after_a_failed_reload_and_ok_again_a
         d.shutdown(1.0)
 
 
-def test_admission_starts_the_highest_priority_first_then_the_oldest_up_to_the_parallel_limit() -> None:
+def ready_daemon(slots: int = 4) -> Daemon:
+    """A daemon whose (fake) models are loaded with `slots` KV sequences; the worker not started."""
     d = make_daemon(lambda c, **kw: FakeHost())
-    d.cfg.server.parallel = 2
     host = FakeHost()
-    host.slots = 4
+    host.slots = slots
     d.session, d.state = host, "ready"  # type: ignore[assignment]
+    return d
+
+
+def test_admission_starts_the_highest_priority_first_then_the_oldest_up_to_the_parallel_limit() -> None:
+    d = ready_daemon()
+    d.cfg.server.parallel = 2
     jobs = [Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1], priority=p) for p in (0, 0, 5, 1)]
     d._queue.extend(jobs)
     assert d._admit() == [jobs[2], jobs[3]]  # priority 5, then 1: two slots
@@ -254,10 +260,7 @@ def test_admission_starts_the_highest_priority_first_then_the_oldest_up_to_the_p
 
 
 def test_a_job_that_loads_or_unloads_the_models_runs_alone() -> None:
-    d = make_daemon(lambda c, **kw: FakeHost())
-    host = FakeHost()
-    host.slots = 4
-    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    d = ready_daemon()
     gen = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
     unload = Job(GenerationRequest(), sink=lambda ev: None, encode=None, keep_alive_s=0)
     later = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
@@ -270,10 +273,7 @@ def test_a_job_that_loads_or_unloads_the_models_runs_alone() -> None:
 
 
 def test_a_job_being_started_counts_as_running_for_the_queue_and_shutdown() -> None:
-    d = make_daemon(lambda c, **kw: FakeHost())
-    host = FakeHost()
-    host.slots = 4
-    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    d = ready_daemon()
     job = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
     d._queue.append(job)
     assert d._admit() == [job]
@@ -281,10 +281,7 @@ def test_a_job_being_started_counts_as_running_for_the_queue_and_shutdown() -> N
 
 
 def test_a_pending_draft_shed_stops_admission_until_the_running_set_drains() -> None:
-    d = make_daemon(lambda c, **kw: FakeHost())
-    host = FakeHost()
-    host.slots = 4
-    d.session, d.state = host, "ready"  # type: ignore[assignment]
+    d = ready_daemon()
     running = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
     d._active = {running.id: SimpleNamespace(job=running, slot=0)}  # type: ignore[misc]
     waiting = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
