@@ -21,6 +21,10 @@ state after the tokens before it, drafts are cut where they leave the grammar, a
 next tokens the grammar forces verifies those instead of asking the policy (jump-forward: its
 proposer is FORCED and no proposer runs).
 
+Passes: the loop yields each target pass (`Pass`) instead of running it, and gets the logits
+back; `run_alone` runs them at once, batch.py packs the passes of several generations into one
+llama_decode. Either way a generation's tokens are decided from its own rows.
+
 Randomness: an unseeded request verifies with Leviathan's rule (rejection_verify) and one rng. A
 seeded one draws the token at each context index from keys derived from (seed, index) alone
 (seeded_verify), so its output is the same whichever proposer and k the policy picks: auto mode
@@ -251,7 +255,9 @@ class PromptTooLong(ValueError):
 
 
 class Engine:
-    """Drives the target through generations, one at a time; the policy brings the proposers."""
+    """Drives one target (a KV sequence) through generations; the policy brings the proposers.
+    `generate` runs one by itself; `steps` hands its passes to a driver that batches several
+    engines' generations (batch.py)."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
