@@ -389,17 +389,8 @@ class Runtime:
     def reset(self) -> None:
         """Empty sequence 0 (the other slots keep theirs)."""
         self._slots[0].reset()
-        self._hid_start = self._hid_n = 0
 
-    # -- saved states (prefix cache) ----------------------------------------------------------
-
-    def save_state(self) -> bytes:
-        """The KV cache of seq 0 as bytes (restore with load_state)."""
-        return self._slots[0].save_state()
-
-    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
-        self._slots[0].load_state(data, tokens)
-        self._hid_start, self._hid_n = len(self.tokens), 0  # a restored cache comes without hidden states
+    # -- saved states (prefix cache, through Slot) ----------------------------------------------
 
     def _save_seq(self, seq: int) -> bytes:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)

@@ -321,14 +321,11 @@ class Daemon:
             self._drop(job.id)
             job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
             self._job_ended(job)
-        finally:
-            with self._cv:
-                self._starting.pop(job.id, None)
 
     def _guarded_round(self) -> None:
         try:
             self._round()
-        except Exception as e:  # a bug outside any one request: end the running set, keep serving
+        except Exception as e:  # a failed pass, or a bug outside any one request: end the running set
             log.exception("a round failed")
             for a in list(self._active.values()):
                 self._drop(a.job.id)
@@ -337,6 +334,7 @@ class Daemon:
 
     def _job_ended(self, job: Job) -> None:
         with self._cv:
+            self._starting.pop(job.id, None)
             a = self._active.pop(job.id, None)
         if a is not None and self.session is not None:
             self.session.release_slot(a.slot)  # on the worker thread, as every llama.cpp call
@@ -560,15 +558,7 @@ class Daemon:
         """One target pass for every running job; relay what it produced, end what is done."""
         batch = self._batch
         assert batch is not None
-        try:
-            events = batch.step()
-        except Exception as e:  # a failed pass leaves no request in a known state: end them all
-            log.exception("a batched pass failed")
-            for a in list(self._active.values()):
-                self._drop(a.job.id)
-                a.job.sink(JobEvent("error", text=f"internal error: {e}", status=500, code="internal_error"))
-                self._job_ended(a.job)
-            return
+        events = batch.step()  # a failed pass leaves no request in a known state: _guarded_round
         self._progress = time.monotonic()
         if batch.last is not None:
             self.metrics.batch_sequences.observe(batch.last.sequences)

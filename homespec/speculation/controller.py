@@ -168,18 +168,6 @@ class Controller:
         for p in proposers:
             self.add_proposer(p)
 
-    @property
-    def sampled(self) -> bool:
-        return self.req.sampled
-
-    @sampled.setter
-    def sampled(self, value: bool) -> None:
-        self.req.sampled = value
-
-    @property
-    def earned(self) -> dict[str, int]:
-        return self.req.earned
-
     def policy(self, proposers: Mapping[str, Proposer] | None = None) -> RequestPolicy:
         """A SpeculationPolicy for one request, with its own per-request state (and proposer
         instances), deciding from the shared estimates."""
@@ -288,12 +276,9 @@ class Controller:
 
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
-        if not step.timed:  # the pass also read prompts: its time is no verify cost
-            pass
-        elif step.pass_rows > step.proposed + 1:  # batched with other requests: the whole pass
-            self.cost.observe_verify(step.pass_rows, step.pass_s)
-        else:
-            self.cost.observe_verify(step.proposed + 1, step.verify_s)
+        if step.timed:  # (a pass that also read prompts is no verify cost)
+            batched = step.pass_rows > step.proposed + 1  # with other requests: the whole pass
+            self.cost.observe_verify(*((step.pass_rows, step.pass_s) if batched else (step.proposed + 1, step.verify_s)))
         catchup = step.info.catchup_s
         if catchup:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)

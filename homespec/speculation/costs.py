@@ -52,7 +52,7 @@ class CostModel:
 
     def verify(self, n: int) -> float:
         """Seconds for a pass over n rows; past n_max (several requests' rows in one pass),
-        extended along the slope of the last measured step: a CPU pass grows ~linearly there."""
+        extended by the mean cost of a row (row_s): a CPU pass grows ~linearly there."""
         n = max(n, 1)
         if n <= self.n_max:
             return float(self.shape[n] * self.speed)

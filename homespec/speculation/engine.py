@@ -282,10 +282,6 @@ class Engine:
         The generator may be closed at any event (a client went away): the caches stay
         consistent and the next generation reuses them.
         """
-        if not prompt:
-            raise ValueError("empty prompt")
-        if len(prompt) >= self.target.n_ctx:
-            raise PromptTooLong(len(prompt), self.target.n_ctx)
         return run_alone(self.steps(prompt, params, max_tokens, stop, policy, stats, grammar, logprobs))
 
     def steps(

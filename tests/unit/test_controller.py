@@ -316,7 +316,16 @@ def test_beside_other_requests_only_drafts_accepted_nearly_always_get_rows_on_a_
 
 def test_a_pass_shared_with_other_requests_teaches_the_cost_of_all_its_rows() -> None:
     c = Machine(cpu_cost, {}).controller(proposers=("ngram",))
-    before = c.cost.verify(6)
-    step = StepStats("ngram", 2, 2, 1, 0.001, 0.9, (True, False), ProposalInfo(), pass_rows=6, pass_s=3 * before)
+    shape = c.cost.verify(6) / c.cost.verify(1)
+    step = StepStats("ngram", 2, 2, 1, 0.001, 0.9, (True, False), ProposalInfo(), pass_rows=6, pass_s=3 * c.cost.verify(6))
     c.observe(step)
-    assert c.cost.verify(6) > before  # learned as a pass over 6 rows, not over this request's 3
+    # Learned as a pass over 6 rows (its shape grew), not over this request's 3 (which would
+    # move the pace of every size alike and leave the shape as it was).
+    assert c.cost.verify(6) / c.cost.verify(1) > shape * 1.01
+
+
+def test_a_pass_that_also_read_prompts_teaches_no_cost() -> None:
+    c = Machine(cpu_cost, {}).controller(proposers=("ngram",))
+    before = [c.cost.verify(n) for n in range(1, 8)]
+    c.observe(StepStats("ngram", 2, 2, 1, 0.001, 5.0, (True, False), ProposalInfo(), pass_rows=6, pass_s=5.0, timed=False))
+    assert [c.cost.verify(n) for n in range(1, 8)] == before

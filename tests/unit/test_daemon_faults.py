@@ -272,7 +272,7 @@ def test_a_job_that_loads_or_unloads_the_models_runs_alone() -> None:
     assert d._admit() == [unload]
 
 
-def test_a_job_being_started_counts_as_running_for_the_queue_and_shutdown() -> None:
+def test_a_job_being_started_counts_as_running_in_the_queue_view() -> None:
     d = ready_daemon()
     job = Job(GenerationRequest(), sink=lambda ev: None, encode=lambda m: [1])
     d._queue.append(job)

@@ -451,3 +451,15 @@ def test_train_writes_a_checkpoint_that_serves_as_a_proposer_and_resumes(tmp_pat
     again = train(target, data, out, TrainConfig(**{**tc.__dict__, "epochs": 3}), resume=True, log=logs.append)
     assert again.steps > result.steps
     assert torch.equal(load_head(out, TargetWeights(target)).vocab_ids, head.vocab_ids)
+
+
+def test_the_head_offers_nothing_while_the_target_kept_no_hidden_state_of_the_last_position():
+    """After a pass shared with other requests (batch.py) slot 0 keeps no hidden states: the
+    head has nothing to draft from, so it must not be chosen (it would propose nothing)."""
+    target = HiddenFake()
+    prop = MTPProposer(target, RecordingRunner())
+    ctx = [5, 9, 2, 7, 3, 8]
+    target.sync(ctx[:-1], output="none")
+    assert prop.preview(ctx, 4).available == 4
+    target.kept_from = len(target.tokens)  # what a shared pass leaves: no state kept
+    assert prop.preview(ctx, 4).available == 0

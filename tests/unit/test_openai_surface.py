@@ -205,7 +205,7 @@ def test_concurrent_streams_each_get_exactly_their_answer_alone_while_sharing_pa
     url, daemon = server
     prompts = ["hello there", "def f(x):", "a b c d e f", "the quick brown fox"]
     alone = [chat_with(url, p) for p in prompts]
-    SlowRuntime.delay_s = 0.02  # passes last long enough for the four to overlap
+    SlowRuntime.delay_s = 0.05  # passes last long enough for the four to overlap on a busy box
     seen_running: list[int] = []
     stop = threading.Event()
 
@@ -218,7 +218,8 @@ def test_concurrent_streams_each_get_exactly_their_answer_alone_while_sharing_pa
     watcher.start()
     try:
         with ThreadPoolExecutor(4) as pool:
-            together = list(pool.map(lambda p: chat_with(url, p, stream=True), prompts))
+            clients = [client(url) for _ in prompts]  # made first: a client's setup must not stagger the starts
+            together = list(pool.map(lambda cp: chat_with(url, cp[1], stream=True, c=cp[0]), zip(clients, prompts)))
     finally:
         stop.set()
         watcher.join()
@@ -229,8 +230,8 @@ def test_concurrent_streams_each_get_exactly_their_answer_alone_while_sharing_pa
     assert any(len(p) >= 2 for p in passes)  # and they shared target passes
 
 
-def chat_with(url: str, prompt: str, stream: bool = False) -> str:
-    c = client(url)
+def chat_with(url: str, prompt: str, stream: bool = False, c: openai.OpenAI | None = None) -> str:
+    c = c or client(url)
     args: dict[str, Any] = {"model": "homespec", "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
                             "extra_body": {"homespec": {"speculation": "ngram", "k": 3}}}
     if not stream:
