@@ -390,7 +390,14 @@ class Runtime:
         """Empty sequence 0 (the other slots keep theirs)."""
         self._slots[0].reset()
 
-    # -- saved states (prefix cache, through Slot) ----------------------------------------------
+    # -- saved states (prefix cache) ----------------------------------------------------------
+
+    def save_state(self) -> bytes:
+        """The KV cache of seq 0 as bytes (restore with load_state)."""
+        return self._slots[0].save_state()
+
+    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+        self._slots[0].load_state(data, tokens)  # (a restored cache comes without hidden states)
 
     def _save_seq(self, seq: int) -> bytes:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)

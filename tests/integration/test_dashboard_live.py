@@ -42,7 +42,9 @@ async def test_panels_fill_in_after_a_request_to_the_real_daemon(served: Served)
                 "homespec": {"speculation": "ngram", "k": 2}}
         r = await asyncio.to_thread(httpx.post, f"{served.url}/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200
-        await until(pilot, lambda: app.query_one(RequestTable).row_count > before, "the request in the table")
+        # The table lists running requests too: wait for a snapshot taken after this one ended.
+        await until(pilot, lambda: app.query_one(RequestTable).row_count > before and not app.stats.queue.requests,
+                    "the request in the table")
         assert app.stats is not None and app.stats.speed.requests_served >= 1
         assert app.stats.speed.baseline_tok_s and app.query_one(SpeedupDigits).value != "-.--x"
 
