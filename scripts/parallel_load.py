@@ -7,9 +7,12 @@ client, streaming, greedy, client-side timing:
    exactly as in a daemon with server.parallel 1), rounds interleaved;
 2. TTFT of a short request with X-Homespec-Priority: 5 while N - 1 long ones run, against its
    TTFT on the idle daemon;
-3. whether each request's text is the same at once as alone.
+3. whether each request's text is the same at once as alone;
+4. with --peer: the same N clients at once against llama-server (same llama.cpp, `-np N`, one
+   process per speculative setting, all on the same prompts), interleaved with homespec's rounds.
 
     .venv/bin/python scripts/parallel_load.py [--config config.yaml] [--clients 4] [--max-tokens 128] [--rounds 2]
+        [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import openai
@@ -75,15 +79,29 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--peer", action="store_true", help="also run the load against llama-server -np N")
+    ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
+    ap.add_argument("--peer-settings", default="plain,ngram-simple,ngram-mod,draft")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="homespec-parallel-"))
-    proc, url, ready_s = start(write_config(args.config, {"server": {"parallel": args.clients}}, tmp / "config.yaml"))
+    config = write_config(args.config, {"server": {"parallel": args.clients}}, tmp / "config.yaml")
+    peers = ExitStack()
+    peer_clients = start_peers(peers, args, config) if args.peer else {}
+    proc, url, ready_s = start(config)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
     try:
         prompts = mixed_prompts(args.clients)
         ask(client, prompts[0][1], 8)  # warm the first request's path
+        for c in peer_clients.values():
+            ask(c, prompts[0][1], 8)
         seq_rates, par_rates, same, total = [], [], 0, 0
+        peer_rates: dict[str, list[float]] = {name: [] for name in peer_clients}
         for r in range(args.rounds):
+            for name, c in peer_clients.items():
+                at_once, par_s = together(c, [(m, args.max_tokens, 0) for _, m in prompts])
+                peer_rates[name].append(sum(a["tokens"] for a in at_once) / par_s)
+                print(f"round {r + 1}: {name} -np {args.clients}, {args.clients} at once {peer_rates[name][-1]:.2f} tok/s "
+                      f"({par_s:.1f} s)", flush=True)
             t0 = time.perf_counter()
             alone = [ask(client, m, args.max_tokens) for _, m in prompts]
             seq_s = time.perf_counter() - t0
@@ -102,6 +120,10 @@ def main() -> None:
         print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
               f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
               f"{same}/{total} texts identical")
+        for name, rates in peer_rates.items():
+            print(f"homespec / {name} -np {args.clients}, {args.clients} at once: "
+                  f"{statistics.mean(par_rates):.2f} / {statistics.mean(rates):.2f} tok/s = "
+                  f"{statistics.mean(par_rates) / statistics.mean(rates):.2f}x")
 
         rooms = iter(["kitchen", "hallway", "bedroom", "garage", "office", "porch", "attic", "cellar"])
 
@@ -121,6 +143,27 @@ def main() -> None:
               f"{statistics.median(ttfts):.2f} s ({statistics.median(ttfts) / statistics.median(idle):.2f}x)")
     finally:
         stop(proc)
+        peers.close()
+
+
+def start_peers(stack: ExitStack, args: argparse.Namespace, config: Path) -> dict[str, openai.OpenAI]:
+    """One llama-server -np N per setting, on the model files homespec's config names."""
+    from homespec.config import load_config
+    from homespec.llama.runtime import physical_cores
+    from homespec.models.fetch import resolve_model_path
+    from homespec.serving import peer_build
+    from homespec.serving.peer import LlamaServer, peer_settings
+
+    cfg = load_config(config)
+    binary = args.peer_bin or peer_build.build()
+    draft = resolve_model_path(cfg, cfg.models.draft) if cfg.models.draft else None
+    by_name = {s.name.removeprefix("ls "): s for s in peer_settings(draft)}
+    clients = {}
+    for name in args.peer_settings.split(","):
+        server = stack.enter_context(LlamaServer(binary, resolve_model_path(cfg, cfg.models.target), by_name[name],
+                                                 cfg.runtime.n_ctx, cfg.runtime.n_threads or physical_cores(), parallel=args.clients))
+        clients[f"llama-server {name}"] = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
+    return clients
 
 
 if __name__ == "__main__":

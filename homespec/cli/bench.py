@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from homespec.cli.common import add_config_argument, config_path, positive_int
+from homespec.errors import UserError
 
 WORKLOADS = ("code", "edit", "chat", "json", "fim")  # serving/bench.py's, without importing it at parse time
 
@@ -22,29 +26,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=positive_int, default=1, help="run every prompt this many times (arms in alternating order)")
     p.add_argument("--json", type=Path, default=None, help="write results here (default bench-results/<time>.json)")
     p.add_argument("--no-reference", action="store_true", help="skip llama-cpp-python's own create_completion arm")
+    p.add_argument("--peer", choices=("llama-server",), default=None,
+                   help="add llama-server arms (same llama.cpp, built for this CPU once and cached): plain, "
+                        "ngram-simple, ngram-mod and the draft model, on the same prompts")
+    p.add_argument("--peer-bin", type=Path, default=None, help="run this llama-server instead of building one")
+    p.add_argument("--peer-settings", default=None, help="e.g. 'plain,ngram-mod' (default: all)")
 
 
 def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config
     from homespec.llama.runtime import ReferenceDecoder
     from homespec.models.loader import runtime_options
-    from homespec.serving.bench import default_arms, load_workloads, parse_arms, run_bench
+    from homespec.serving.bench import default_arms, load_workloads, parse_arms, peer_arms, run_bench
     from homespec.serving.host import Host
+    from homespec.serving.peer import LlamaServer, peer_settings
 
     cfg = load_config(config_path(args.config))
+    peer_bin = _peer_binary(args) if args.peer else None
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per peer request drowns the progress
     max_tokens = args.max_tokens or (48 if args.quick else 128)
     prompts = args.prompts or (1 if args.quick else 3)
     workloads = load_workloads(args.workload or WORKLOADS)
-    with Host.open(cfg) as session:
+    with Host.open(cfg) as session, ExitStack() as peers_open:
         names = session.proposers
         arms = parse_arms(args.arms) if args.arms else default_arms(names, reference=not args.no_reference)
         reference = None
         if any(a.mode == "reference" for a in arms):
             reference = ReferenceDecoder(session.models.target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers))
+        peers = {}
+        if peer_bin is not None:
+            settings = _peer_settings(args.peer_settings, peer_settings(session.models.draft_path))
+            target = session.models.target
+            for s in settings:
+                print(f"  starting llama-server ({s.name})", file=sys.stderr)
+                peers[s.name] = peers_open.enter_context(
+                    LlamaServer(peer_bin, session.models.target_path, s, target.n_ctx, target.n_threads))
+            arms = [*arms, *peer_arms(settings)]
         t0 = time.perf_counter()
         report = run_bench(
             session, workloads, arms, max_tokens, prompts, reference,
-            progress=lambda s: print(f"  {s}", file=sys.stderr), rounds=args.rounds,
+            progress=lambda s: print(f"  {s}", file=sys.stderr), rounds=args.rounds, peers=peers,
         )
         if reference is not None:
             reference.close()
@@ -55,6 +76,27 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(report.to_json())
     print(f"results: {out}", file=sys.stderr)
     return 0
+
+
+def _peer_binary(args: argparse.Namespace) -> Path:
+    from homespec.serving import peer_build
+
+    if args.peer_bin is not None:
+        if not (args.peer_bin.is_file() and os.access(args.peer_bin, os.X_OK)):
+            raise UserError(f"--peer-bin: {args.peer_bin} is not an executable file")
+        return args.peer_bin
+    return peer_build.build(log=lambda s: print(f"  {s}", file=sys.stderr))
+
+
+def _peer_settings(spec: str | None, available: list) -> list:  # -> list[peer.PeerSetting]
+    if spec is None:
+        return available
+    by_name = {s.name.removeprefix("ls "): s for s in available}
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        raise UserError(f"--peer-settings: unknown {', '.join(unknown)} (choose from {', '.join(by_name)})")
+    return [by_name[w] for w in wanted]
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -73,7 +115,7 @@ def format_report(report) -> str:  # report: bench.BenchReport
     if "draft" in report.calibration:
         lines.append(f"draft pass cost: {float(report.calibration['draft']['1']) * 1000:.0f} ms/token")
     header = (
-        f"{'arm':<12} {'tok/s':>6} {'speedup':>7} {'exp.':>5} {'acc.rate':>8} {'acc.len':>7} "
+        f"{'arm':<15} {'tok/s':>6} {'speedup':>7} {'exp.':>5} {'acc.rate':>8} {'acc.len':>7} "
         f"{'TTFT s':>6} {'draft ms':>8} {'verify ms':>9} {'RSS MiB':>7} {'=off':>6}  chosen"
     )
     by_wl: dict[str, list] = {}
@@ -87,7 +129,7 @@ def format_report(report) -> str:  # report: bench.BenchReport
             same = f"{r.same_as_plain}/{r.runs}" if r.arm != "off" else ""
             tok_s = r.tok_s if r.arm != "llama.cpp" else r.e2e_tok_s
             lines.append(
-                f"{r.arm:<12} {_f(tok_s, '6.2f')} {_f(r.speedup, '6.2f')}{'x' if r.speedup else ' '} {_f(r.expected_gain, '5.2f')} "
+                f"{r.arm:<15} {_f(tok_s, '6.2f')} {_f(r.speedup, '6.2f')}{'x' if r.speedup else ' '} {_f(r.expected_gain, '5.2f')} "
                 f"{_f(r.acceptance_rate, '8.2f')} {_f(r.acceptance_length, '7.2f')} {_f(ttft, '6.2f')} "
                 f"{_f(r.draft_ms, '8.1f')} {_f(r.verify_ms, '9.1f')} {r.rss_mib:7.0f} {same:>6}  {chosen}"
             )
@@ -102,16 +144,25 @@ def format_report(report) -> str:  # report: bench.BenchReport
                 f"jump-forward: {jump.forced_tokens / jump.tokens:.0%} of the output came as the grammar's forced tokens "
                 f"(speedup {_f(jump.speedup, '.2f')}x alone){in_auto}"
             )
+        peers = [r for r in rows if r.arm.startswith("ls ") and r.tok_s]
+        if peers:
+            best = max(peers, key=lambda r: r.tok_s)
+            ours = f"; homespec auto / it = {auto.tok_s / best.tok_s:.3f}x" if auto is not None and auto.tok_s else ""
+            lines.append(f"best llama-server setting: {best.arm} {best.tok_s:.2f} tok/s{ours}")
         if plain and ref and ref.e2e_tok_s:
             lines.append(
                 f"our loop with speculation off vs llama-cpp-python create_completion (end to end): "
                 f"{plain.e2e_tok_s:.2f} / {ref.e2e_tok_s:.2f} = {plain.e2e_tok_s / ref.e2e_tok_s:.3f}x"
             )
+    for arm, why in report.failed.items():
+        lines += ["", f"{arm} stopped: {why.splitlines()[0]}"]
     lines += [
         "",
         "tok/s: output tokens after the first per second of decoding (llama.cpp arm: end to end); "
         "speedup: tok/s ÷ the off arm's (k = 0, plain decoding) tok/s in this run; exp.: gain the cost model predicts from the "
         "acceptance the arm saw (auto: what the controller expected when choosing); "
-        "=off: runs whose text equals the off arm's (greedy; near-ties may differ).",
+        "=off: runs whose text equals the off arm's (greedy; near-ties may differ). "
+        "ls …: llama-server from the same llama.cpp on the same prompt tokens, tok/s from its own timings "
+        "(the same definition), acc.rate from its draft counts; not run on grammar-constrained prompts.",
     ]
     return "\n".join(lines)

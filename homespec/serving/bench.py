@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any
@@ -24,6 +24,8 @@ import yaml
 
 from homespec.models.loader import ModelSet
 from homespec.serving.host import Host
+from homespec.serving.peer import LlamaServer, PeerSetting
+from homespec.serving.peer_build import PeerBuildError
 from homespec.serving.tool_calls import call_grammar, tool_format
 from homespec.speculation.constraints import Grammar, json_schema_grammar
 from homespec.speculation.controller import Controller
@@ -33,6 +35,7 @@ from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.sampling import SamplingParams
 
 WORKLOADS = ("code", "edit", "chat", "json", "fim")
+PEER = "peer"  # an arm run by llama-server (serving/peer.py)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def load_workloads(names: Sequence[str] = WORKLOADS) -> list[Workload]:
 @dataclass(frozen=True)
 class Arm:
     name: str
-    mode: str  # a Mode (off, auto, a proposer) or "reference" (llama-cpp-python's own loop)
+    mode: str  # a Mode (off, auto, a proposer), "reference" (llama-cpp-python's own loop) or "peer" (llama-server)
     k: int = 0
     # Under a grammar, take its forced tokens as free drafts. Off for the baseline (plain
     # decoding, one token a pass) so that "jump-forward" (off with them) shows what they add.
@@ -106,6 +109,10 @@ def default_arms(proposers: Sequence[str], reference: bool = True) -> list[Arm]:
         arms += [Arm(f"mtp k={k}", "mtp", k) for k in (1, 2, 4)]
     arms.append(Arm("auto", "auto"))
     return arms
+
+
+def peer_arms(settings: Sequence[PeerSetting]) -> list[Arm]:
+    return [Arm(s.name, PEER) for s in settings]
 
 
 def parse_arms(spec: str) -> list[Arm]:
@@ -133,6 +140,8 @@ class Run:
     steps: list[StepStats] = field(default_factory=list)
     rss_mib: float = 0.0
     expected_gain: float | None = None  # auto: the controller's mean expectation
+    drafted: int = 0  # peer arms: llama-server's own draft counts (homespec's are in `steps`)
+    accepted: int = 0
 
 
 @dataclass
@@ -148,6 +157,8 @@ class ArmResult:
     rss_mib: float = 0.0
     same_as_plain: int = 0
     forced_tokens: int = 0  # output tokens that came as a grammar's forced drafts
+    drafted: int = 0  # peer arms
+    accepted: int = 0
     tally: StepTally = field(default_factory=StepTally)
     expected_gain: float | None = None
     # Filled in by finish():
@@ -168,6 +179,8 @@ class ArmResult:
         self.ttft_s.append(run.ttft_s)
         self.rss_mib = max(self.rss_mib, run.rss_mib)
         self.same_as_plain += plain_text is not None and run.text == plain_text
+        self.drafted += run.drafted
+        self.accepted += run.accepted
         for s in run.steps:
             self.tally.add(s)
             self.forced_tokens += s.accepted if s.proposer == FORCED else 0
@@ -178,7 +191,7 @@ class ArmResult:
         self.e2e_tok_s = self.tokens / self.seconds if self.seconds > 0 else None
         if self.tok_s and plain_tok_s:
             self.speedup = self.tok_s / plain_tok_s
-        self.acceptance_rate = t.acceptance_rate
+        self.acceptance_rate = t.acceptance_rate if t.steps else (self.accepted / self.drafted if self.drafted else None)
         self.acceptance_length = t.acceptance_length
         if t.steps:
             self.draft_ms = 1000 * t.draft_s / t.steps
@@ -236,6 +249,7 @@ class BenchReport:
     prefill: dict[str, float]  # workload -> target prefill tokens/s
     results: list[ArmResult]
     calibration: dict
+    failed: dict[str, str] = field(default_factory=dict)  # arm -> why it stopped (a peer that crashed)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, default=float)
@@ -250,6 +264,7 @@ def run_bench(
     reference=None,  # runtime.ReferenceDecoder | None
     progress: Callable[[str], None] = lambda s: None,
     rounds: int = 1,
+    peers: Mapping[str, LlamaServer] | None = None,  # arm name -> a running llama-server
 ) -> BenchReport:
     """Each arm on each prompt, `rounds` times over (more rounds: less noise, proportionally longer)."""
     models = session.models
@@ -257,6 +272,7 @@ def run_bench(
     greedy = SamplingParams(temperature=0.0)
     results: list[ArmResult] = []
     prefill: dict[str, float] = {}
+    failed: dict[str, str] = {}  # peer arm -> why it stopped
     for wl in workloads:
         by_arm = {a.name: ArmResult(a.name, wl.name) for a in arms}
         prefill_tokens, prefill_s = 0, 0.0
@@ -278,12 +294,23 @@ def run_bench(
             # one prompt's arms (minutes) then favours no arm for being first or last.
             runs: dict[str, Run] = {}
             for arm in arms if n % 2 == 0 else arms[::-1]:
-                # llama-cpp-python's loop takes no grammar; jump-forward is off without one.
-                if (arm.mode == "reference" and grammar is not None) or (arm == JUMP_FORWARD and grammar is None):
+                # llama-cpp-python's loop takes no grammar, nor does llama-server take ours (llguidance
+                # Lark; its build has no llguidance); jump-forward is off without one.
+                if (arm.mode in ("reference", PEER) and grammar is not None) or (arm == JUMP_FORWARD and grammar is None):
                     continue
-                run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference, grammar)
+                if arm.mode == PEER:
+                    if arm.name in failed:
+                        continue
+                    try:
+                        run = runs[arm.name] = _run_peer(peers[arm.name], tokens, max_tokens)
+                    except PeerBuildError as e:  # the peer crashed: the bench goes on without it
+                        failed[arm.name] = str(e)
+                        progress(str(e))
+                        continue
+                else:
+                    run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference, grammar)
                 run.rss_mib = proc.memory_info().rss / 2**20
-                progress(f"{wl.name} #{i + 1} {arm.name:12s} {run.tokens:4d} tok {run.seconds:6.2f} s")
+                progress(f"{wl.name} #{i + 1} {arm.name:15s} {run.tokens:4d} tok {run.seconds:6.2f} s")
             plain_text = runs[OFF].text if OFF in runs else None  # the baseline arm, by name
             for arm in (a for a in arms if a.name in runs):
                 run, r = runs[arm.name], by_arm[arm.name]
@@ -306,7 +333,13 @@ def run_bench(
         prefill=prefill,
         results=results,
         calibration={k: {str(n): s for n, s in v.items()} for k, v in session.calibration.items()},
+        failed=failed,
     )
+
+
+def _run_peer(peer: LlamaServer, tokens: list[int], max_tokens: int) -> Run:
+    r = peer.complete(tokens, max_tokens)
+    return Run(r.tokens, r.ttft_s + r.decode_s, r.ttft_s, r.text, drafted=r.drafted, accepted=r.accepted)
 
 
 def _run_arm(session: Host, arm: Arm, tokens: list[int], params: SamplingParams, max_tokens: int, reference,
