@@ -91,9 +91,11 @@ def main() -> None:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
     try:
         prompts = mixed_prompts(args.clients)
-        ask(client, prompts[0][1], 8)  # warm the first request's path
-        for c in peer_clients.values():
-            ask(c, prompts[0][1], 8)
+        # Every server reads every prompt once first: then no round, and no server, is the one
+        # that pays the cold prompts (homespec's prefix cache and llama-server's slots keep them).
+        for c in (client, *peer_clients.values()):
+            for _, m in prompts:
+                ask(c, m, 8)
         seq_rates, par_rates, same, total = [], [], 0, 0
         peer_rates: dict[str, list[float]] = {name: [] for name in peer_clients}
         for r in range(args.rounds):

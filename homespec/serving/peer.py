@@ -94,7 +94,10 @@ class LlamaServer:
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self._proc: subprocess.Popen | None = None
         self.keep_log = False
-        self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600, connect=5))
+        # A connection per request: llama-server (cpp-httplib) drops idle keep-alive connections
+        # after 5 s, and a request sent on one it is dropping fails without an answer (seen).
+        self._client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600, connect=5),
+                                    limits=httpx.Limits(max_keepalive_connections=0))
 
     def __enter__(self) -> LlamaServer:
         self._proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -304,11 +304,15 @@ async def test_panels_fill_in_after_a_request(daemon):
 
         daemon.stats = scripted_stats()  # a client streamed a few requests
         await until(pilot, lambda: app.query_one(RequestTable).row_count == 5, "the request table")  # 1 running + 4
+        figures = ("24.3 tok/s", "17.1 tok/s", "12,345 tokens · 42 served", "acceptance 82%", "length 3.10",
+                   "best k=4 1.41×", "5.2 GiB of 7.8 GiB used", "headroom 2.6 GiB",
+                   "draft unloaded at 18:04", "running 1/4 · waiting 2/8 · 3.5 rows/pass", "slot 2 p+5", "running",
+                   "ready · warm", "up 2h 03m")
+        # The panels repaint one by one after a snapshot: wait for the last, then name any missing.
+        await until(pilot, lambda: all(f in screen_text(app) for f in figures), "every panel's figures")
         text = screen_text(app)
         assert app.query_one(SpeedupDigits).value == "1.42x"
-        for figure in ("24.3 tok/s", "17.1 tok/s", "12,345 tokens · 42 served", "acceptance 82%", "length 3.10",
-                       "best k=4 1.41×", "5.2 GiB of 7.8 GiB used", "headroom 2.6 GiB",
-                       "draft unloaded at 18:04", "running 1/4 · waiting 2/8 · 3.5 rows/pass", "slot 2 p+5", "running", "ready · warm", "up 2h 03m"):
+        for figure in figures:
             assert figure in text, figure
 
 
