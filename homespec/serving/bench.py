@@ -25,7 +25,7 @@ import yaml
 from homespec.models.loader import ModelSet
 from homespec.serving.host import Host
 from homespec.serving.peer import LlamaServer, PeerSetting
-from homespec.serving.peer_build import PeerBuildError
+from homespec.serving.peer_build import PeerError
 from homespec.serving.tool_calls import call_grammar, tool_format
 from homespec.speculation.constraints import Grammar, json_schema_grammar
 from homespec.speculation.controller import Controller
@@ -303,7 +303,7 @@ def run_bench(
                         continue
                     try:
                         run = runs[arm.name] = _run_peer(peers[arm.name], tokens, max_tokens)
-                    except PeerBuildError as e:  # the peer crashed: the bench goes on without it
+                    except PeerError as e:  # the peer crashed: the bench goes on without it
                         failed[arm.name] = str(e)
                         progress(str(e))
                         continue

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from homespec.serving.peer_build import PeerBuildError
+from homespec.serving.peer_build import PeerError
 
 START_TIMEOUT_S = 120.0  # loading a 1.5B model takes seconds; a wedged start is reported
 
@@ -106,7 +106,7 @@ class LlamaServer:
             if self._proc.poll() is not None:
                 why = f"llama-server ({self.setting.name}) exited {self._proc.returncode}:\n{self.log_tail()}"
                 self.close()
-                raise PeerBuildError(why)
+                raise PeerError(why)
             try:
                 if self._client.get("/health").status_code == 200:
                     return self
@@ -115,7 +115,7 @@ class LlamaServer:
             time.sleep(0.2)
         why = f"llama-server ({self.setting.name}) not ready after {START_TIMEOUT_S:.0f} s:\n{self.log_tail()}"
         self.close()
-        raise PeerBuildError(why)
+        raise PeerError(why)
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -151,7 +151,7 @@ class LlamaServer:
             return self._timed(body)
         except httpx.TransportError as e:
             self.keep_log = True  # a crash's log outlives the process, for whoever reads the error
-            raise PeerBuildError(f"llama-server ({self.setting.name}) failed mid-request ({type(e).__name__}; "
+            raise PeerError(f"llama-server ({self.setting.name}) failed mid-request ({type(e).__name__}; "
                                  f"exit status {self._proc.poll() if self._proc else None}); log {self._log.name}:\n"
                                  f"{self.log_tail()}") from e
 
@@ -162,7 +162,7 @@ class LlamaServer:
         final: dict = {}
         with self._client.stream("POST", "/completion", json=body) as r:
             if r.status_code != 200:
-                raise PeerBuildError(f"llama-server ({self.setting.name}) answered {r.status_code}: {r.read()[:300]!r}")
+                raise PeerError(f"llama-server ({self.setting.name}) answered {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue

@@ -43,8 +43,8 @@ _FIXED_ARGS = (
 )
 
 
-class PeerBuildError(UserError):
-    pass
+class PeerError(UserError):
+    """The peer could not be built, started or asked."""
 
 
 def cache_root() -> Path:
@@ -86,7 +86,7 @@ def fetch_sdist(dest: Path, url: str = SDIST_URL, sha256: str = SDIST_SHA256) ->
                 f.write(chunk)
     if digest.hexdigest() != sha256:
         path.unlink()
-        raise PeerBuildError(f"{url}: sha256 {digest.hexdigest()}, expected {sha256}; not building it")
+        raise PeerError(f"{url}: sha256 {digest.hexdigest()}, expected {sha256}; not building it")
     return path
 
 
@@ -99,7 +99,7 @@ def build(cmake_args: str | None = None, root: Path | None = None, jobs: int | N
     if found is not None and binary("llama-bench", args, root) is not None:
         return found
     if shutil.which("cmake") is None:
-        raise PeerBuildError("building llama-server needs cmake (apt install cmake, or pip install cmake)")
+        raise PeerError("building llama-server needs cmake (apt install cmake, or pip install cmake)")
     out = (root or cache_root()) / build_key(args)
     with tempfile.TemporaryDirectory(prefix="homespec-peer-") as tmp:
         log(f"fetching {SDIST_URL.rsplit('/', 1)[1]}")
@@ -117,7 +117,7 @@ def build(cmake_args: str | None = None, root: Path | None = None, jobs: int | N
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
-                raise PeerBuildError(f"{' '.join(cmd[:3])} failed ({done.returncode}):\n{tail}")
+                raise PeerError(f"{' '.join(cmd[:3])} failed ({done.returncode}):\n{tail}")
         (out / "bin").mkdir(parents=True, exist_ok=True)
         for name in TARGETS:
             shutil.copy2(build_dir / "bin" / name, out / "bin" / name)

@@ -47,8 +47,8 @@ class Machine:
         c.cost.propose_s["draft"] = self.draft_s
         return c
 
-    def step(self, c: Controller) -> StepStats:
-        d = c.decide(self.ctx)
+    def step(self, c: Controller, alongside: int = 0) -> StepStats:
+        d = c.decide(self.ctx, alongside)
         k = d.k if self.k_limit is None else min(d.k, self.k_limit)
         name = d.name if k else OFF
         outcomes: list[bool] = []
@@ -66,8 +66,8 @@ class Machine:
         self.ctx += [1] * (n + 1)
         return s
 
-    def run(self, c: Controller, steps: int) -> list[StepStats]:
-        return [self.step(c) for _ in range(steps)]
+    def run(self, c: Controller, steps: int, alongside: int = 0) -> list[StepStats]:
+        return [self.step(c, alongside) for _ in range(steps)]
 
 
 def test_picks_plain_decoding_when_verification_is_expensive_and_acceptance_low():
@@ -285,6 +285,18 @@ def test_a_probe_whose_k_the_engine_clipped_still_counts_as_a_probe():
     assert c.view.probes == len(gaps) > 5  # each drafted step after plain ones was a probe (k = 4, cut to 2)
     assert c.explore_s > 0
     assert gaps[0] < gaps[1] < gaps[2] and max(gaps) == 8 << MAX_BACKOFF, f"no backoff: {gaps}"
+
+
+def test_no_probe_runs_beside_other_requests_whose_rows_it_would_stall():
+    # The flat-cost setting of the backoff test probes every few steps alone; beside 3 other
+    # requests' rows it must not probe at all.
+    m = Machine(gpu_cost, {"draft": 0.0}, draft_s=0.001, ngram_cont=0)
+    c = m.controller(proposers=("draft",), explore_every=8)
+    m.run(c, 100)  # alone: the prior's drafts, then probes
+    probes_alone = c.view.probes
+    steps = m.run(c, 400, alongside=3)
+    assert probes_alone > 0 and c.view.probes == probes_alone
+    assert all(s.proposer == OFF for s in steps)
 
 
 def test_a_proposer_that_pays_only_when_every_token_is_accepted_is_never_probed():

