@@ -17,3 +17,7 @@ class IncompatibleTokenizer(UserError):
 
 class NoFimTokens(UserError):
     """Fill-in-the-middle asked of a model whose vocabulary has no FIM tokens."""
+
+
+class PeerError(UserError):
+    """The bench's llama-server peer could not be built, started or asked."""

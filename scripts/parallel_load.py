@@ -154,17 +154,16 @@ def start_peers(stack: ExitStack, args: argparse.Namespace, config: Path) -> dic
     from homespec.llama.runtime import physical_cores
     from homespec.models.fetch import resolve_model_path
     from homespec.serving import peer_build
-    from homespec.serving.peer import LlamaServer, peer_settings
+    from homespec.serving.peer import LlamaServer, peer_settings, select_settings
 
     cfg = load_config(config)
     binary = args.peer_bin or peer_build.build()
     draft = resolve_model_path(cfg, cfg.models.draft) if cfg.models.draft else None
-    by_name = {s.name.removeprefix("ls "): s for s in peer_settings(draft)}
     clients = {}
-    for name in args.peer_settings.split(","):
-        server = stack.enter_context(LlamaServer(binary, resolve_model_path(cfg, cfg.models.target), by_name[name],
+    for setting in select_settings(args.peer_settings, peer_settings(draft)):
+        server = stack.enter_context(LlamaServer(binary, resolve_model_path(cfg, cfg.models.target), setting,
                                                  cfg.runtime.n_ctx, cfg.runtime.n_threads or physical_cores(), parallel=args.clients))
-        clients[f"llama-server {name}"] = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
+        clients[f"llama-server {setting.name.removeprefix('ls ')}"] = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=900)
     return clients
 
 

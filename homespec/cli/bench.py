@@ -39,7 +39,7 @@ def main(args: argparse.Namespace) -> int:
     from homespec.models.loader import runtime_options
     from homespec.serving.bench import default_arms, load_workloads, parse_arms, peer_arms, run_bench
     from homespec.serving.host import Host
-    from homespec.serving.peer import LlamaServer, peer_settings
+    from homespec.serving.peer import LlamaServer, peer_settings, select_settings
 
     cfg = load_config(config_path(args.config))
     peer_bin = _peer_binary(args) if args.peer else None
@@ -55,7 +55,7 @@ def main(args: argparse.Namespace) -> int:
             reference = ReferenceDecoder(session.models.target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers))
         peers = {}
         if peer_bin is not None:
-            settings = _peer_settings(args.peer_settings, peer_settings(session.models.draft_path))
+            settings = select_settings(args.peer_settings, peer_settings(session.models.draft_path))
             target = session.models.target
             for s in settings:
                 print(f"  starting llama-server ({s.name})", file=sys.stderr)
@@ -86,17 +86,6 @@ def _peer_binary(args: argparse.Namespace) -> Path:
             raise UserError(f"--peer-bin: {args.peer_bin} is not an executable file")
         return args.peer_bin
     return peer_build.build(log=lambda s: print(f"  {s}", file=sys.stderr))
-
-
-def _peer_settings(spec: str | None, available: list) -> list:  # -> list[peer.PeerSetting]
-    if spec is None:
-        return available
-    by_name = {s.name.removeprefix("ls "): s for s in available}
-    wanted = [w.strip() for w in spec.split(",") if w.strip()]
-    unknown = [w for w in wanted if w not in by_name]
-    if unknown:
-        raise UserError(f"--peer-settings: unknown {', '.join(unknown)} (choose from {', '.join(by_name)})")
-    return [by_name[w] for w in wanted]
 
 
 def _f(x: float | None, fmt: str) -> str:

@@ -118,6 +118,19 @@ def cmake_args(options: dict[str, bool]) -> str:
     return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{k}={'ON' if v else 'OFF'}" for k, v in options.items()])
 
 
+def this_cpu_options() -> dict[str, bool]:
+    """The kernels for this CPU's flags (AMX: `_amx_here`); none on a CPU that is not x86."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return {}
+    flags = cpu_flags()
+    return choose(flags, amx=_amx_here(flags))
+
+
+def _amx_here(flags: set[str]) -> bool:
+    """AMX on the CPU's word only when the check runs here; HOMESPEC_AMX=off skips the check."""
+    return "amx_tile" in flags and os.environ.get("HOMESPEC_AMX", "auto") != "off" and amx_works()
+
+
 def key(options: dict[str, bool]) -> str:
     """A short name for the set of kernels, for the wheel cache folder ("avx2-bmi2-f16c-fma...")."""
     on = [k.removeprefix("GGML_").lower() for k, v in options.items() if v]
@@ -196,13 +209,11 @@ def _main(argv: list[str]) -> int:
     """`cmake-args`: the CMAKE_ARGS for this CPU; `stamp DIR ARGS`: record in DIR (the installed
     llama_cpp package) the kernels a build with CMAKE_ARGS contains."""
     x86 = platform.machine() in ("x86_64", "AMD64")
-    flags = cpu_flags() if x86 else set()
-    # AMX: on the CPU's word only when the check runs here; HOMESPEC_AMX=off skips it.
-    amx = "amx_tile" in flags and os.environ.get("HOMESPEC_AMX", "auto") != "off" and amx_works()
     if argv[:1] == ["cmake-args"]:
-        print(cmake_args(choose(flags, amx=amx)) if x86 else "")
+        print(cmake_args(this_cpu_options()) if x86 else "")
     elif argv[:1] == ["stamp"] and len(argv) == 3:
-        options = options_from_args(argv[2], flags, amx=amx) if x86 else {}
+        flags = cpu_flags() if x86 else set()
+        options = options_from_args(argv[2], flags, amx=_amx_here(flags)) if x86 else {}
         print(f"{write_stamp(Path(argv[1]), options)}: {key(options)}")
     else:
         print("usage: cpu_build.py cmake-args | stamp PACKAGE_DIR CMAKE_ARGS", file=sys.stderr)

@@ -22,10 +22,10 @@ import numpy as np
 import psutil
 import yaml
 
+from homespec.errors import PeerError
 from homespec.models.loader import ModelSet
 from homespec.serving.host import Host
 from homespec.serving.peer import LlamaServer, PeerSetting
-from homespec.serving.peer_build import PeerError
 from homespec.serving.tool_calls import call_grammar, tool_format
 from homespec.speculation.constraints import Grammar, json_schema_grammar
 from homespec.speculation.controller import Controller

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from homespec.serving.peer_build import PeerError
+from homespec.errors import PeerError
 
 START_TIMEOUT_S = 120.0  # loading a 1.5B model takes seconds; a wedged start is reported
 
@@ -59,6 +59,18 @@ def peer_settings(draft_path: Path | None) -> list[PeerSetting]:
         # At most 4 drafted tokens (default 16): a CPU's verify pass grows with every row.
         settings.append(PeerSetting("ls draft/4", (*draft, "--spec-draft-n-max", "4")))
     return settings
+
+
+def select_settings(spec: str | None, available: Sequence[PeerSetting]) -> list[PeerSetting]:
+    """'plain,ngram-mod' (names without the "ls " of reports) -> those settings; None: all."""
+    if spec is None:
+        return list(available)
+    by_name = {s.name.removeprefix("ls "): s for s in available}
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        raise PeerError(f"peer settings: unknown {', '.join(unknown)} (choose from {', '.join(by_name)})")
+    return [by_name[w] for w in wanted]
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from homespec.errors import UserError
+from homespec.errors import PeerError
 from homespec.llama import cpu_build
 
 # llama.cpp commit 515e85511. Pinned by hash: the build runs code from it.
@@ -43,10 +43,6 @@ _FIXED_ARGS = (
 )
 
 
-class PeerError(UserError):
-    """The peer could not be built, started or asked."""
-
-
 def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "homespec" / "llama-server"
 
@@ -60,11 +56,10 @@ def build_key(cmake_args: str, machine: str | None = None) -> str:
 def this_cpu_args() -> str:
     """The kernel options of the llama-cpp-python build in use (its stamp: the peer then runs the
     same kernels), else, or when that build is not for this CPU, this CPU's."""
-    flags = cpu_build.cpu_flags()
     folder = cpu_build.installed_package_dir()
     options = cpu_build.read_stamp(folder) if folder is not None else None
-    if options is None or cpu_build.missing_flags(options, flags):
-        options = cpu_build.choose(flags, amx="amx_tile" in flags and cpu_build.amx_works())
+    if options is None or cpu_build.missing_flags(options, cpu_build.cpu_flags()):
+        options = cpu_build.this_cpu_options()
     return cpu_build.cmake_args(options)
 
 

@@ -278,7 +278,8 @@ class Controller:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
         if step.timed:  # (a pass that also read prompts is no verify cost)
             batched = step.pass_rows > step.proposed + 1  # with other requests: the whole pass
-            self.cost.observe_verify(*((step.pass_rows, step.pass_s) if batched else (step.proposed + 1, step.verify_s)))
+            rows, seconds = (step.pass_rows, step.pass_s) if batched else (step.proposed + 1, step.verify_s)
+            self.cost.observe_verify(rows, seconds)
         catchup = step.info.catchup_s
         if catchup:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from homespec.errors import PeerError
 from homespec.serving import peer_build
 from homespec.serving.bench import PEER, Arm, ArmResult, Run
 from homespec.serving.peer import LlamaServer, PeerSetting, peer_settings
-from homespec.serving.peer_build import PeerError
 
 # Answers /completion with the prompt's ids as words, one SSE chunk per token, then a final chunk
 # with llama-server's timings; records every request body and its own argv.
