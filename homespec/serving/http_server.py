@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 import time
 from typing import Any
 
@@ -19,6 +20,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from homespec.config import ServerConfig
 from homespec.errors import UserError
 
+# When to look for a reset after probing a peer that sent EOF (seconds after the probe): loopback
+# answers within microseconds, a LAN within milliseconds, a busy Wi-Fi link later.
+PEER_CHECK_S = (0.05, 0.5, 2.0)
+
 
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol plus what it lacks (0.54 has no header-read timeout, and
@@ -27,7 +32,8 @@ class GuardedH11Protocol(H11Protocol):
 
     - a request (headers and body) must arrive within header_timeout_s of the connection opening
       or of the previous response; otherwise the connection is closed;
-    - a client that half-closes after its request still gets the answer (eof_received);
+    - a client that half-closes after its request still gets the answer, while one that hangs
+      up is still cancelled (eof_received);
     - at max_connections, a new connection evicts one that is waiting for its request: first
       the oldest that never completed a request (a staller), then the oldest idle keep-alive
       one (a client that has been answered before); or it is closed itself when every
@@ -68,12 +74,36 @@ class GuardedH11Protocol(H11Protocol):
         """A client may half-close (shutdown(SHUT_WR)) once its request is sent and still read
         the answer (netcat, some scripts and proxies do). uvicorn closed the socket at that EOF,
         so the request was taken for a hang-up and cancelled. Keep it open for writing until the
-        answer is sent (on_response_complete closes it); EOF anywhere else closes as before."""
+        answer is sent (on_response_complete closes it); EOF anywhere else closes as before.
+
+        At the TCP level a hang-up (close) and a half-close are the same EOF; only a write tells
+        them apart: a closed peer answers it with a reset. A stream writes soon anyway; a
+        request whose answer has not started gets an interim `100 Continue` (clients must skip
+        an unexpected 1xx, RFC 9110 15.2; HTTP/1.0 ones may not, so theirs is taken for a
+        hang-up), and the socket is checked for that reset shortly after."""
         cycle = getattr(self, "cycle", None)
-        if self.conn.their_state is h11.DONE and cycle is not None and not cycle.response_complete:
+        if self.conn.their_state is not h11.DONE or cycle is None or cycle.response_complete:
+            return None
+        if cycle.response_started:
             self._half_closed = True
             return True
-        return None
+        if self.conn.their_http_version != b"1.1":
+            return None
+        self._half_closed = True
+        self.transport.write(self.conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        cycle.waiting_for_100_continue = False  # sent: uvicorn must not send a second one
+        for delay_s in PEER_CHECK_S:
+            self.loop.call_later(delay_s, self._close_if_peer_reset)
+        return True
+
+    def _close_if_peer_reset(self) -> None:
+        """The peer answered the interim response with a reset: it hung up, so close, and the
+        request is cancelled as for any hang-up (connection_lost tells the app)."""
+        if self.transport.is_closing():
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._by_age.pop(self, None)

@@ -81,16 +81,15 @@ class ThreadServer:
 
     def __init__(self, app: object, port: int = 0, server: ServerConfig | None = None) -> None:
         """port 0: any free port; a given port lets a test restart a server where it was.
-        server: run with the uvicorn settings `homespec serve` derives from it (limits, timeouts)."""
+        server: the [server] settings whose limits and timeouts uvicorn runs with (default: the defaults)."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        if server is not None:
-            config = uvicorn_config(app, server, log_level="warning", timeout_graceful_shutdown=5)  # type: ignore[arg-type]
-        else:
-            config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        # Always the protocol and limits `homespec serve` runs with: a test on plain uvicorn
+        # would miss what GuardedH11Protocol changes (a hang-up went unseen that way once).
+        config = uvicorn_config(app, server or ServerConfig(), log_level="warning", timeout_graceful_shutdown=5)  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name=f"uvicorn-{self.port}", daemon=True)
 

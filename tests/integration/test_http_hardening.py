@@ -8,13 +8,16 @@ The daemon behind these apps is never started (no model load): /health answers, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from homespec.config import ServerConfig
 from homespec.serving.app import create_app
 from homespec.serving.daemon import Daemon
 from tests.integration.server_fixtures import API_KEY, Served, ThreadServer, server_config
@@ -210,7 +213,8 @@ def test_every_503_carries_retry_after(guarded: ThreadServer) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(served: Served, stream: bool) -> None:
     """shutdown(SHUT_WR) after the request: uvicorn took the EOF for a hang-up and the generation
-    was cancelled before its first token; now the answer comes, then the server closes."""
+    was cancelled before its first token; now the answer comes (after an interim 100), then the
+    server closes."""
     srv = ThreadServer(create_app(served.daemon, address="127.0.0.1"), server=served.daemon.cfg.server).start()
     try:
         body = json.dumps({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8, "temperature": 0,
@@ -223,7 +227,70 @@ def test_a_client_that_half_closes_after_its_request_still_gets_the_answer(serve
             data = b""
             while chunk := s.recv(65536):  # until the server closes: it must, once answered
                 data += chunk
+        interim, _, data = data.partition(b"\r\n\r\n")  # the 100 that tells a half-close from a hang-up
+        assert interim.startswith(b"HTTP/1.1 100 "), interim
         assert data.startswith(b"HTTP/1.1 200"), data[:200]
         assert (b"data: [DONE]" in data) if stream else (b'"finish_reason"' in data and b'"content"' in data)
+    finally:
+        srv.stop()
+
+
+class PatientApp:
+    """An ASGI app that answers a POST after WAIT_S unless the client hangs up first, and
+    records which happened (a stand-in for a non-streaming generation: no model needed)."""
+
+    WAIT_S = 4.0
+
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+        self.done = threading.Event()
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        try:
+            msg = await asyncio.wait_for(receive(), self.WAIT_S)
+            self.outcomes.append(msg["type"])  # http.disconnect
+        except asyncio.TimeoutError:
+            self.outcomes.append("answered")
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+            await send({"type": "http.response.body", "body": b"done"})
+        self.done.set()
+
+
+POST = b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def test_a_client_that_hangs_up_on_a_waiting_request_is_seen_to_go_though_it_sent_only_eof() -> None:
+    """A close and a half-close both arrive as EOF; keeping half-closed clients served must not
+    leave a request whose client hung up running to its end (the interim 100 draws a reset)."""
+    app = PatientApp()
+    srv = ThreadServer(app, server=ServerConfig()).start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+            s.sendall(POST)
+        assert app.done.wait(30)
+        assert app.outcomes == ["http.disconnect"], app.outcomes
+    finally:
+        srv.stop()
+
+
+def test_a_half_closed_client_gets_an_interim_100_then_the_answer() -> None:
+    app = PatientApp()
+    srv = ThreadServer(app, server=ServerConfig()).start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+            s.sendall(POST)
+            s.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        assert app.outcomes == ["answered"], app.outcomes
+        assert data.startswith(b"HTTP/1.1 100 "), data
+        assert b"HTTP/1.1 200 " in data and data.endswith(b"done"), data
+        # httpx (h11) skips the interim response like any client must (RFC 9110 15.2).
+        assert httpx.post(srv.url, json={}, timeout=30).text == "done"
     finally:
         srv.stop()
