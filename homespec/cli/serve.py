@@ -10,15 +10,27 @@ import os
 from homespec.cli.common import add_config_argument, add_config_flags, config_path
 from homespec.config import ServerConfig
 from homespec.errors import UserError
+from homespec.serving.systemd import EXIT_CONFIG, EXIT_TEMPFAIL
 
-# sysexits.h EX_CONFIG: the models could not be loaded with this config (corrupt GGUF, memory
-# plan that can never fit). The unit lists it in RestartPreventExitStatus=: a restart re-reads
-# the same files and fails the same way. Exit 2 (a usage or config error found before start) is
-# the CLI's own, in homespec/__main__.py.
-EXIT_CONFIG = 78
 # After drain_timeout_s our streams end themselves (an error event, then [DONE]); uvicorn's own
 # hard bound comes this much later, only as a backstop.
 DRAIN_BACKSTOP_S = 3
+
+
+def exit_status(e: BaseException) -> int:
+    """How `serve` exits when the first load fails, so that systemd retries only what a retry can
+    fix. A model that cannot load (corrupt, wrong tokenizer, a build this CPU cannot run) or a
+    memory plan that cannot fit even on an empty machine: EX_CONFIG (78), not retried. Memory
+    that other programs hold for now: EX_TEMPFAIL (75), retried. Anything else (an I/O error, a
+    llama.cpp failure): 1, retried. Exit 2, a usage or config error found before start, is the
+    CLI's own (homespec/__main__.py)."""
+    from homespec.models.memory import InsufficientMemory
+
+    if isinstance(e, InsufficientMemory):
+        return EXIT_CONFIG if e.never_fits else EXIT_TEMPFAIL
+    if isinstance(e, UserError):
+        return EXIT_CONFIG
+    return 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,13 +124,10 @@ def main(args: argparse.Namespace) -> int:
         notifier.ready(f"serving on {address}")
         notifier.start_watchdog(daemon.healthy)
 
-    def on_failed(why: str) -> None:
+    def on_failed(e: Exception) -> None:
         nonlocal exit_code
-        # Loading failed (corrupt model, a memory plan that cannot fit): the same files fail the
-        # same way again, so say "config" and let the unit's RestartPreventExitStatus= stop the
-        # restart loop (exit 2, found before start, is not retried either).
-        exit_code = EXIT_CONFIG
-        notifier.status(f"failed: {why}")
+        exit_code = exit_status(e)
+        notifier.status(f"failed: {e}")
         server.should_exit = True
 
     daemon.on_ready = lambda: threading.Thread(target=announce_ready, daemon=True).start()

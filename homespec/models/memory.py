@@ -307,7 +307,14 @@ def fmt_bytes(n: int) -> str:
 
 
 class InsufficientMemory(UserError):
-    """The models do not fit in memory under the configured policy; the message says what to change."""
+    """The models do not fit in memory under the configured policy; the message says what to change.
+
+    never_fits: not even with every byte of the machine free (a reserve or a model larger than
+    its RAM): retrying cannot help, unlike memory that other programs hold for now."""
+
+    def __init__(self, message: str, never_fits: bool = False) -> None:
+        super().__init__(message)
+        self.never_fits = never_fits
 
 
 Decision = Literal["load", "drop-draft", "shrink-context", "refuse"]
@@ -325,11 +332,12 @@ class LoadPlan:
     vram_need: int  # bytes
     vram_free: int | None  # bytes, before the VRAM reserve; None when unreadable
     message: str  # one line with the numbers
+    never_fits: bool = False  # a refusal that would stand with the whole machine free
 
     def require(self) -> LoadPlan:
         """This plan, or InsufficientMemory with the plan's message when it is a refusal."""
         if self.decision == "refuse":
-            raise InsufficientMemory(self.message)
+            raise InsufficientMemory(self.message, self.never_fits)
         return self
 
 
@@ -392,6 +400,13 @@ def _check(t: Footprint, d: Footprint | None, prefix: int, h: Headroom, cfg: Mem
     return _Check(ram, vram, ram_ok, vram_ok, as_ram)
 
 
+def _never_fits(c: _Check, h: Headroom, cfg: MemoryConfig) -> bool:
+    """The setup needs more than the machine has in all (plus the reserve), free or not."""
+    ram = c.ram_need + cfg.reserve_mib * MiB > h.ram_total
+    vram = c.vram_need > 0 and h.vram_total is not None and c.vram_need + cfg.vram_reserve_mib * MiB > h.vram_total
+    return ram or vram
+
+
 def _what(load_draft: bool, n_ctx: int, has_draft: bool) -> str:
     models = "target + draft" if load_draft else "target alone" if has_draft else "target"
     return f"{models} at n_ctx {n_ctx}"
@@ -408,7 +423,7 @@ def _numbers(c: _Check, h: Headroom, cfg: MemoryConfig) -> str:
     elif c.vram_need:
         gpu = f" on {h.gpu_name}" if h.gpu_name else ""
         s += (
-            f"; need {fmt_bytes(c.vram_need)} VRAM, {fmt_bytes((h.vram_free or 0) - cfg.vram_reserve_mib * MiB)} "
+            f"; need {fmt_bytes(c.vram_need)} VRAM, {fmt_bytes(max(0, (h.vram_free or 0) - cfg.vram_reserve_mib * MiB))} "
             f"free{gpu} after the {fmt_bytes(cfg.vram_reserve_mib * MiB)} VRAM reserve"
         )
     return s
@@ -462,7 +477,8 @@ def plan_load(footprints: FootprintsAt, headroom: Headroom, cfg: MemoryConfig, *
             f"{_advice(c, headroom, cfg, has_draft)}"
         )
         log.error("%s", msg)
-        return LoadPlan("refuse", False, n, c.ram_need, headroom.ram_available, c.vram_need, headroom.vram_free, msg)
+        return LoadPlan("refuse", False, n, c.ram_need, headroom.ram_available, c.vram_need, headroom.vram_free, msg,
+                        never_fits=_never_fits(c, headroom, cfg))
     decision: Decision = "load" if len(tried) == 1 else "shrink-context" if n < n_ctx else "drop-draft"
     parts = f"target {fmt_bytes(cache[n][0].ram)}"
     if load_draft and cache[n][1] is not None:

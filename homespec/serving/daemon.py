@@ -147,7 +147,7 @@ class Daemon:
         self._worker = threading.Thread(target=self._work, name="homespec-worker", daemon=True)
         self._ticker = threading.Thread(target=self._tick, name="homespec-ticker", daemon=True)
         self.on_ready: Callable[[], None] = lambda: None  # e.g. sd_notify READY=1
-        self.on_failed: Callable[[str], None] = lambda why: None  # e.g. stop serving, exit 1
+        self.on_failed: Callable[[Exception], None] = lambda e: None  # e.g. stop serving, exit non-zero
         self._progress = time.monotonic()  # last sign of life of the worker (step, load, idle)
         # A reload (after keep_alive) failed: the worker lives on, so the next request retries.
         # The first load failing stops the daemon instead (on_failed): nothing was ever served.
@@ -250,7 +250,7 @@ class Daemon:
         except Exception as e:  # a daemon that cannot load must say why, not die silently
             log.error("loading models failed: %s", e, exc_info=not isinstance(e, UserError))
             self.state, self.error = "failed", str(e)
-            self.on_failed(str(e))
+            self.on_failed(e)
             return
         try:
             while True:

@@ -34,8 +34,12 @@ TMP_DIRS = (Path("/tmp"), Path("/var/tmp"))
 # Each HTTP connection is a file descriptor; systemd's default soft limit (1,024) is reached by
 # ~1,000 stalled clients. server.max_connections (512) stays far below this.
 NOFILE_LIMIT = 65536
-# homespec.cli.serve.EXIT_CONFIG: the models cannot be loaded with this config; not retried.
+# Exit statuses of `homespec serve` when the first load fails (sysexits.h; see serve's
+# exit_status). EX_CONFIG: these files and this config fail the same way again, so the unit
+# lists it in RestartPreventExitStatus=. EX_TEMPFAIL: memory that other programs hold now;
+# Restart=on-failure tries again after RestartSec.
 EXIT_CONFIG = 78
+EXIT_TEMPFAIL = 75
 
 # READY=1 comes after model load + warm-up. On a 2-core CPU: mmap + page-in of ~1.6 GB of GGUF
 # (40 s from an SD card), then the controller's timed passes (~30 s); 300 leaves room for both.

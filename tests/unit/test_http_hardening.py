@@ -1,5 +1,6 @@
 """Hardening that needs no server: API key and host-pattern validation at config load, the
-repeated-log-line filter, and what the systemd unit says about fds, exit 78 and /tmp."""
+repeated-log-line filter, what the systemd unit says about fds, exit 78 and /tmp, and which
+load failures exit 78."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from homespec.cli.serve import exit_status
 from homespec.config import ConfigError, load_config
-from homespec.errors import UserError
+from homespec.errors import ModelError, UserError
+from homespec.models.memory import InsufficientMemory
 from homespec.serving.http_server import FD_HEADROOM, RepeatFilter, ensure_open_files
 from homespec.serving.systemd import render_unit
 
@@ -71,6 +74,18 @@ def test_units_raise_the_fd_limit_and_do_not_restart_on_exit_78(user: bool) -> N
     lines = unit(user=user).splitlines()
     assert "LimitNOFILE=65536" in lines
     assert "RestartPreventExitStatus=2 78" in lines
+
+
+@pytest.mark.parametrize("error, status", [
+    (ModelError("qwen.gguf: sha256 mismatch"), 78),  # the same file fails the same way: not retried
+    (InsufficientMemory("need 40 GiB RAM", never_fits=True), 78),  # more than the machine has
+    (InsufficientMemory("need 3 GiB RAM, 1 GiB available"), 75),  # others hold it now: retried
+    (OSError("read error on /srv/models/qwen.gguf"), 1),  # a fault, not the config: retried
+    (RuntimeError("llama.cpp failed to create a context"), 1),
+])
+def test_only_a_load_failure_that_a_restart_would_repeat_exits_with_the_unrestarted_status(error: Exception, status: int) -> None:
+    assert exit_status(error) == status
+    assert (status == 78) == (f" {status}" in next(s for s in unit().splitlines() if s.startswith("RestartPreventExitStatus=")))
 
 
 def test_a_system_unit_for_a_venv_under_tmp_says_private_tmp_hides_it(caplog: pytest.LogCaptureFixture) -> None:

@@ -539,3 +539,21 @@ def test_memory_reserve_mib_is_bounded_in_the_config():
 
     with pytest.raises(ValidationError):
         MemoryConfig(reserve_mib=2_000_000)
+
+
+def test_a_refusal_says_whether_an_empty_machine_would_fit_it():
+    """Only a setup larger than the whole machine is final (serve exits 78, not retried);
+    memory other programs hold now may be freed (exit 75, systemd retries)."""
+    busy = plan_load(pair(1536, 512), ram(1.0), cfg(), n_ctx=4096)  # 1 GiB free of 32
+    assert busy.decision == "refuse" and not busy.never_fits
+    with pytest.raises(InsufficientMemory) as e:
+        busy.require()
+    assert not e.value.never_fits
+    huge = plan_load(pair(40 * 1024, 512), ram(3.0), cfg(), n_ctx=4096)  # a 40 GiB model, 32 GiB of RAM
+    assert huge.never_fits
+    reserve = plan_load(pair(1536, 512), ram(3.0), cfg(reserve_mib=100 * 1024), n_ctx=4096)
+    assert reserve.never_fits
+    vram = plan_load(pair(1536, 512, vram=(14 * 1024, 0)), ram(20.0, vram_free_gib=8.0), cfg(), n_ctx=4096)  # 14 GiB on a 12 GiB GPU
+    assert vram.decision == "refuse" and vram.never_fits
+    tiny_gpu = plan_load(pair(1536, 512, vram=(1024, 0)), ram(20.0, vram_free_gib=0.1), cfg(), n_ctx=4096)  # 100 MiB free
+    assert "need 1.0 GiB VRAM, 0 MiB free" in tiny_gpu.message, tiny_gpu.message  # not "-924 MiB"
