@@ -62,7 +62,7 @@ class DaemonClient:
 
     async def reset(self) -> None:
         """Reset the daemon's rolling statistics."""
-        await self._call("POST", "/v1/homespec/reset")
+        await self._call("POST", "/v1/homespec/reset", json={})  # the daemon takes only JSON POSTs
 
     async def aclose(self) -> None:
         await self._http.aclose()

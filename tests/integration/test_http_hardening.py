@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from homespec.config import ServerConfig
+from homespec.dashboard.client import DaemonClient
 from homespec.serving.app import create_app
 from homespec.serving.daemon import Daemon
 from tests.integration.server_fixtures import API_KEY, Served, ThreadServer, server_config
@@ -181,8 +182,24 @@ def test_a_post_that_is_not_json_gets_415_naming_the_content_type(guarded: Threa
     assert "application/json" in err["message"], err
 
 
-def test_json_posts_and_a_bodiless_post_pass_the_content_type_check(guarded: ThreadServer) -> None:
-    assert httpx.post(f"{guarded.url}/v1/homespec/reset", timeout=30).status_code == 200  # the dashboard's reset
+def test_a_post_without_a_body_or_content_type_gets_415_too(guarded: ThreadServer) -> None:
+    r = httpx.post(f"{guarded.url}/v1/homespec/reset", timeout=30)  # what a cross-site form can send
+    assert r.status_code == 415, r.text
+    assert "no Content-Type" in r.json()["error"]["message"], r.text
+
+
+def test_the_dashboards_reset_is_a_json_post(guarded: ThreadServer) -> None:
+    async def reset() -> None:
+        client = DaemonClient(guarded.url)
+        try:
+            await client.reset()  # raises on any answer but 2xx
+        finally:
+            await client.aclose()
+
+    asyncio.run(reset())
+
+
+def test_json_posts_pass_the_content_type_check(guarded: ThreadServer) -> None:
     r = httpx.post(f"{guarded.url}/v1/homespec/reset", content=b"{}",
                    headers={"content-type": "application/json; charset=utf-8"}, timeout=30)
     assert r.status_code == 200, r.text
