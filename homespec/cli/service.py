@@ -1,4 +1,4 @@
-"""`homespec service install [--user]`: write a systemd unit for this install's real paths.
+"""`homespec service install [--user [--sandbox]]`: write a systemd unit for this install's real paths.
 
 Only argparse (and the import-light cli.common) is imported at module level; the config and the
 renderer are imported inside `main`.
@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "~/.config/systemd/user.",
     )
     inst.add_argument("--user", action="store_true", help="a unit for `systemctl --user`: runs as you, no root")
+    inst.add_argument("--sandbox", action="store_true",
+                      help="with --user: sandbox the file system and kernel in a user namespace as the system unit "
+                      "does (needs unprivileged user namespaces)")
     add_config_argument(inst)
     inst.add_argument("--dest", type=Path, default=None, help="write the unit to this file instead")
     inst.add_argument("--print", dest="print_only", action="store_true", help="write the unit to stdout only")
@@ -76,10 +79,22 @@ def _service_uid() -> int | None:
 def main(args: argparse.Namespace) -> int:
     from homespec.config import load_config
     from homespec.errors import UserError
-    from homespec.serving.systemd import SERVICE_USER, SYSTEM_STATE_DIR, default_unit_path, install_unit, render_unit
+    from homespec.serving.systemd import (
+        SERVICE_USER,
+        SYSTEM_STATE_DIR,
+        default_unit_path,
+        install_unit,
+        render_unit,
+        user_namespaces_refused,
+    )
 
     if args.service_command != "install":  # argparse allows only `install`; kept for new actions
         raise UserError(f"unknown action {args.service_command}")
+    if args.sandbox and not args.user:
+        raise UserError("--sandbox is for --user units; the system unit is always sandboxed")
+    if args.sandbox and (why := user_namespaces_refused()):
+        raise UserError(f"--sandbox needs unprivileged user namespaces, and {why} here: leave out --sandbox "
+                        "or turn them on (sysctl)")
     cfg_file = config_path(args.config)
     if cfg_file is None:
         raise UserError("the service needs a config file: pass --config PATH (e.g. /etc/homespec/config.yaml)")
@@ -97,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
         models_dir=models_dir,
         drain_timeout_s=cfg.server.drain_timeout_s,
         gpu=gpu,
+        user_sandbox=args.sandbox,
     )
 
     notes: list[str] = []

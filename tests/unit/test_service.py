@@ -195,6 +195,53 @@ def test_user_unit_leaves_out_what_a_user_manager_cannot_apply(layout: dict[str,
     assert k["WantedBy"] == ["default.target"]
 
 
+def test_sandboxed_user_unit_mounts_the_sandbox_in_a_user_namespace(layout: dict[str, Path]) -> None:
+    k = keys(render_unit(user=True, mlock=False, user_sandbox=True, **layout))
+    assert k["PrivateUsers"] == ["yes"]
+    for key in ("ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "ProtectKernelTunables",
+                "ProtectControlGroups", "ProtectProc", "PrivateMounts", "ReadOnlyPaths"):
+        assert key in k, key
+    # No User=, no cgroup device list (ProtectClock= implies one), no RemoveIPC= (acts on User=).
+    for key in ("User", "ProtectClock", "RemoveIPC", "LimitMEMLOCK"):
+        assert key not in k, key
+
+
+@needs_analyze
+def test_sandboxed_user_unit_passes_verify_and_scores_far_better_in_systemd_analyze_security(
+    tmp_path: Path, layout: dict[str, Path]
+) -> None:
+    def exposure(text: str, folder: Path) -> float:
+        verify(text, folder, user=True)  # writes folder/homespec.service
+        proc = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=true", str(folder / "homespec.service")],
+                              capture_output=True, text=True, timeout=60)
+        if "--offline" in proc.stderr:
+            pytest.skip(f"this systemd-analyze has no --offline: {proc.stderr.strip()}")
+        line = next(x for x in proc.stdout.splitlines() if "Overall exposure level" in x)
+        return float(line.split(":")[1].split()[0])
+
+    plain = exposure(render_unit(user=True, mlock=False, **layout), tmp_path / "plain")
+    sandboxed = exposure(render_unit(user=True, mlock=False, user_sandbox=True, **layout), tmp_path / "sandboxed")
+    assert plain > 5.0 and sandboxed <= 2.0, (plain, sandboxed)  # measured: 6.3 and 1.8
+
+
+def test_user_namespaces_refused_names_the_kernel_switch_that_is_off(tmp_path: Path) -> None:
+    def proc_sys(**values: str) -> Path:
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for name, value in values.items():
+            f = root / name.replace("__", "/")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(value + "\n")
+        return root
+
+    assert service.user_namespaces_refused(proc_sys(user__max_user_namespaces="96364")) is None
+    assert service.user_namespaces_refused(proc_sys()) is None  # no switches: a kernel that always allows them
+    assert "max_user_namespaces is 0" in service.user_namespaces_refused(proc_sys(user__max_user_namespaces="0"))
+    assert "unprivileged_userns_clone is 0" in service.user_namespaces_refused(
+        proc_sys(user__max_user_namespaces="100", kernel__unprivileged_userns_clone="0"))
+    assert "apparmor_restrict_unprivileged_userns is 1" in service.user_namespaces_refused(
+        proc_sys(kernel__apparmor_restrict_unprivileged_userns="1"))
+
+
 def test_models_under_the_state_directory_stay_writable(layout: dict[str, Path]) -> None:
     text = render_unit(user=False, mlock=False, **{**layout, "models_dir": Path("/var/lib/homespec/models")})
     assert "ReadOnlyPaths" not in keys(text)
@@ -431,6 +478,20 @@ def test_cli_print_user_unit_passes_verify(
     assert "LimitMEMLOCK" in captured.err  # says why mlock will not take effect
     if SYSTEMD_ANALYZE:
         assert verify(captured.out, tmp_path / "check", user=True) == ""
+
+
+def test_cli_sandbox_is_for_user_units_on_kernels_with_user_namespaces(
+    config_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert homespec_main(["service", "install", "--sandbox", "--print", "--config", str(config_file)]) == 2
+    assert "--sandbox is for --user units" in capsys.readouterr().err
+    monkeypatch.setattr(service, "user_namespaces_refused", lambda: "user.max_user_namespaces is 0")
+    assert homespec_main(["service", "install", "--user", "--sandbox", "--print", "--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert "needs unprivileged user namespaces, and user.max_user_namespaces is 0" in err and "\n" == err[-1:], err
+    monkeypatch.setattr(service, "user_namespaces_refused", lambda: None)
+    assert homespec_main(["service", "install", "--user", "--sandbox", "--print", "--config", str(config_file)]) == 0
+    assert "PrivateUsers=yes" in capsys.readouterr().out
 
 
 def test_cli_install_writes_the_unit_and_prints_the_systemctl_commands(
