@@ -185,7 +185,7 @@ def test_greedy_mtp_speculation_matches_plain_decoding_except_at_near_ties(mtp_e
             continue
         diverged += 1
         m = plain_margins.get(len(prompt) + j - 1)
-        assert m is not None and m < epsilon, f"diverged at token {j} where plain's margin {m} >= epsilon {epsilon}"
+        assert m is not None and m < 2 * epsilon, f"diverged at token {j} where plain's margin {m} >= 2 epsilon ({2 * epsilon})"
     a1 = sum(firsts) / max(len(firsts), 1)
     print(f"\nmtp k={k}: {accepted}/{proposed} accepted, position 1 {a1:.2f}; "
           f"{diverged}/{len(PROMPTS)} diverged, all at near-ties")

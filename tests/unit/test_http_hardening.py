@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from homespec.cli.serve import exit_status
+from homespec.cli.serve import exit_status, resolve_api_key
 from homespec.config import ConfigError, load_config
 from homespec.errors import ModelError, UserError
 from homespec.models.memory import InsufficientMemory
@@ -34,6 +34,20 @@ def test_an_api_key_that_cannot_travel_in_a_header_is_refused_at_load_naming_the
 
 def test_an_ascii_api_key_loads(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "server:\n  api_key: abc-DEF_123.~\n")).server.api_key == "abc-DEF_123.~"
+
+
+def test_a_non_ascii_key_from_the_environment_or_a_key_file_is_refused_naming_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOMESPEC_API_KEY", "schlüssel")
+    with pytest.raises(UserError, match=r"^HOMESPEC_API_KEY: the API key must be printable ASCII"):
+        resolve_api_key(load_config(write(tmp_path, "{}\n")))
+    monkeypatch.delenv("HOMESPEC_API_KEY")
+    (tmp_path / "key").write_text("schlüssel\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"^server.api_key_file \(.*key\): the API key must be printable ASCII"):
+        resolve_api_key(load_config(write(tmp_path, "server:\n  api_key_file: key\n")))
+    (tmp_path / "key").write_text("abc-123\n")
+    assert resolve_api_key(load_config(write(tmp_path, "server:\n  api_key_file: key\n"))) == "abc-123"
 
 
 @pytest.mark.parametrize("pattern", ["*", "evil*.com", "*example.com", ""])
