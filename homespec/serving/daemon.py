@@ -70,7 +70,7 @@ class JobEvent:
     pieces: dict[int, bytes] = field(default_factory=dict)  # the bytes of every token id in logprobs
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: the queue finds and removes it by identity
 class Job:
     request: GenerationRequest
     sink: Callable[[JobEvent], None]  # called from the worker thread
@@ -88,9 +88,13 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by Daemon.submit: takes a job cancelled while it waits out of the queue at once.
+    on_cancel: Callable[[Job], None] | None = field(default=None, repr=False, compare=False)
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.on_cancel is not None:
+            self.on_cancel(self)
 
 
 @dataclass
@@ -222,6 +226,7 @@ class Daemon:
             in_system = len(self._queue) + len(self._active) + len(self._starting)
             if in_system >= self.cfg.server.queue_depth + self.cfg.server.parallel:
                 raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1) / self.cfg.server.parallel)
+            job.on_cancel = self._withdraw
             self._queue.append(job)
             self.metrics.queue_waiting.set(len(self._queue))
             self._cv.notify_all()
@@ -619,6 +624,17 @@ class Daemon:
         self.metrics.warm.set(0)
         self.metrics.requests.labels("load_failed").inc()
         job.sink(JobEvent("error", text=f"models failed to load: {e}", status=503, code="load_failed"))
+
+    def _withdraw(self, job: Job) -> None:
+        """A client left while its job waited: out of the queue now, so that a dead request
+        neither holds a place that gets others a 429 nor waits to be counted."""
+        with self._cv:
+            if job not in self._queue:
+                return  # started (its step sees the cancel) or already gone
+            self._queue.remove(job)
+            self.metrics.queue_waiting.set(len(self._queue))
+            self._cv.notify_all()
+        self._record_abandoned(job)
 
     def _record_abandoned(self, job: Job) -> None:
         """A job cancelled while queued: it never ran, but it leaves a trace in the log and metrics."""

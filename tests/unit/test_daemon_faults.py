@@ -15,7 +15,7 @@ import pytest
 from homespec.config import Config
 from homespec.errors import ModelError
 from homespec.serving import daemon as daemon_mod
-from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady
+from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 from homespec.serving.host import GenerationRequest
 from homespec.speculation.batch import Batch
 from homespec.speculation.engine import Event, GenerationStats
@@ -200,6 +200,25 @@ def test_a_request_cancelled_while_waiting_is_counted_and_logged() -> None:
     rec = d.live.snapshot().requests[0]
     assert (rec.id, rec.status, rec.finish_reason) == (job.id, "cancelled", "cancelled_in_queue")
     assert d.live.snapshot().requests_served == 0
+
+
+def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once_and_its_place_is_free() -> None:
+    d = make_daemon(lambda c, **kw: FakeHost())
+    d.cfg.server.queue_depth, d.cfg.server.parallel = 1, 1
+    d.session, d.state = FakeHost(), "ready"  # type: ignore[assignment]  # no worker: jobs stay queued
+    jobs = [Job(GenerationRequest(), sink=lambda ev: None, encode=None) for _ in range(2)]
+    for job in jobs:
+        d.submit(job)
+    with pytest.raises(QueueFull):
+        d.submit(Job(GenerationRequest(), sink=lambda ev: None, encode=None))
+    for job in jobs:
+        job.cancel()  # both clients hung up while they waited
+    assert d.queue_view() == (0, 0)
+    assert sample(d, "cancelled_in_queue") == 2  # counted when they left, not when their turn came
+    assert d.metrics.registry.get_sample_value("homespec_queue_waiting") == 0
+    d.submit(Job(GenerationRequest(), sink=lambda ev: None, encode=None))  # their places are free again
+    jobs[0].cancel()  # a second cancel of a withdrawn job changes nothing
+    assert sample(d, "cancelled_in_queue") == 2 and d.queue_view() == (0, 1)
 
 
 def test_http_health_is_503_with_the_reason_after_a_failed_reload_and_ok_again_after_recovery() -> None:
