@@ -470,6 +470,10 @@ class Runtime:
             ids.append(llama_cpp.llama_vocab_eos(self._vocab))
         return ids
 
+    def special_texts(self) -> list[str]:
+        """The texts that parse_special=True reads as control (or unknown) tokens."""
+        return [text for text, _, _ in self._special_tokens()]
+
     def _special_tokens(self) -> list[tuple[str, int, int]]:
         """(text, id, attributes) of the control and unknown tokens, longest text first: the
         markers parse_special=True recognises (user-defined tokens are matched either way)."""

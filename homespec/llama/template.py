@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jinja2
@@ -74,7 +74,8 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {e}") from None
 
     def render_parts(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[Part]:
+                     tools: Sequence[Mapping[str, Any]] | None = None,
+                     special_texts: Collection[str] = ()) -> list[Part]:
         """The rendered prompt as (text, trusted) parts; joined, they equal `render(...)`.
 
         Renders once as usual and once with each message's content replaced by an unguessable
@@ -82,6 +83,9 @@ class ChatTemplate:
         located between those pieces in the real render (as given, or stripped: templates that
         `| trim` content are common). A template whose text depends on the content some other
         way falls back to the placeholder render with the content spliced in unchanged (logged).
+        A template that cuts content (a slice) leaves no way to tell content from its own text:
+        the whole render is trusted, so a message holding one of `special_texts` (the model's
+        control-token texts) is refused rather than read as that token.
         """
         plain = self.render(messages, add_generation_prompt, tools)
         nonce = secrets.token_hex(8)
@@ -101,7 +105,13 @@ class ChatTemplate:
         if any("\ue000" in lit or "\ue001" in lit for lit in literals):
             # The template cut a placeholder (slices content): there is no telling content from
             # template text, so the prompt is tokenized as before.
-            log.warning("the chat template rewrites message content; special-token text in messages is not escaped")
+            for i, c in enumerate(contents):
+                marker = next((t for t in special_texts if t in c), None)
+                if marker is not None:
+                    raise TemplateError(f"messages[{_message_index(messages, i)}].content holds {marker!r}, the text of "
+                                        "a control token, and this model's chat template cuts message content, so it "
+                                        "cannot be kept as text: remove it from the message")
+            log.warning("the chat template cuts message content; messages are checked for control-token text instead")
             return [(plain, True)]
         parts = _locate(plain, literals, [contents[i] for i in order])
         if parts is None:
@@ -111,6 +121,18 @@ class ChatTemplate:
             for i, lit in zip(order, literals[1:]):
                 parts += [(contents[i], False), (lit, True)]
         return [p for p in parts if p[0]]
+
+
+def _message_index(messages: Sequence[Mapping[str, Any]], content_index: int) -> int:
+    """The index in `messages` of the content_index-th message with non-empty string content."""
+    seen = -1
+    for i, m in enumerate(messages):
+        c = m.get("content")
+        if isinstance(c, str) and c:
+            seen += 1
+            if seen == content_index:
+                return i
+    raise IndexError(content_index)
 
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False,

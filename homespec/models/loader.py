@@ -51,7 +51,7 @@ class ModelSet:
         """tools: function definitions for the template's tools section (None: no tools)."""
         # Only the template's own text may hold special tokens: "<|im_end|>" inside a message is
         # text, or a message could close its turn and forge another (a system turn, say).
-        parts = self.template.render_parts(messages, tools=tools)
+        parts = self.template.render_parts(messages, tools=tools, special_texts=self.target.special_texts())
         bos = self.template.bos_token
         # A template that writes BOS itself must not get a second one from the tokenizer.
         add_special = not (bos and "".join(t for t, _ in parts).startswith(bos))
