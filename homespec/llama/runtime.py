@@ -403,7 +403,7 @@ class Runtime:
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        return bytes(buf[:n])
+        return ctypes.string_at(buf, n)  # one copy; bytes(buf[:n]) built a list of n ints first
 
     def _load_seq(self, seq: int, data: bytes) -> bool:
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
