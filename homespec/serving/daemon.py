@@ -341,8 +341,9 @@ class Daemon:
         with self._cv:
             self._starting.pop(job.id, None)
             a = self._active.pop(job.id, None)
+            busy = [x.slot for x in self._active.values()]
         if a is not None and self.session is not None:
-            self.session.release_slot(a.slot)  # on the worker thread, as every llama.cpp call
+            self.session.release_slot(a.slot, busy)  # on the worker thread, as every llama.cpp call
         with self._cv:
             self._last_active = time.monotonic()
             self._keep_alive_s = self._keep_alive_after(job)

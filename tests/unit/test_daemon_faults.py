@@ -46,7 +46,7 @@ class FakeHost:
     def pick_slot(self, tokens: list[int], free: list[int]) -> int:
         return free[0]
 
-    def release_slot(self, slot: int) -> None:
+    def release_slot(self, slot: int, busy: list[int]) -> None:
         pass
 
     def batch(self, prefill_chunk: int) -> Batch:
