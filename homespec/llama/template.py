@@ -90,13 +90,15 @@ class ChatTemplate:
         plain = self.render(messages, add_generation_prompt, tools)
         nonce = secrets.token_hex(8)
         contents: list[str] = []
+        owners: list[int] = []  # [contents] the index in `messages` of each content
         masked = []
-        for m in messages:
+        for i, m in enumerate(messages):
             m = dict(m)
             c = m.get("content")
             if isinstance(c, str) and c:  # empty content has nothing to protect; templates test it
                 m["content"] = f"\ue000{nonce}:{len(contents)}\ue001"
                 contents.append(c)
+                owners.append(i)
             masked.append(m)
         if not contents:
             return [(plain, True)]
@@ -108,7 +110,7 @@ class ChatTemplate:
             for i, c in enumerate(contents):
                 marker = next((t for t in special_texts if t in c), None)
                 if marker is not None:
-                    raise TemplateError(f"messages[{_message_index(messages, i)}].content holds {marker!r}, the text of "
+                    raise TemplateError(f"messages[{owners[i]}].content holds {marker!r}, the text of "
                                         "a control token, and this model's chat template cuts message content, so it "
                                         "cannot be kept as text: remove it from the message")
             log.warning("the chat template cuts message content; messages are checked for control-token text instead")
@@ -121,18 +123,6 @@ class ChatTemplate:
             for i, lit in zip(order, literals[1:]):
                 parts += [(contents[i], False), (lit, True)]
         return [p for p in parts if p[0]]
-
-
-def _message_index(messages: Sequence[Mapping[str, Any]], content_index: int) -> int:
-    """The index in `messages` of the content_index-th message with non-empty string content."""
-    seen = -1
-    for i, m in enumerate(messages):
-        c = m.get("content")
-        if isinstance(c, str) and c:
-            seen += 1
-            if seen == content_index:
-                return i
-    raise IndexError(content_index)
 
 
 def _tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None, sort_keys: bool = False,

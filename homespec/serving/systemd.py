@@ -161,12 +161,12 @@ def render_unit(
     if mlock and not user:
         out += ["# runtime.use_mlock: llama.cpp locks the weights in RAM.", "LimitMEMLOCK=infinity"]
     if not user:
-        out += _system_sandbox(exec_path, config, working_dir, models_dir, gpu)
+        out += _namespace_sandbox(exec_path, config, working_dir, models_dir, gpu)
     elif user_sandbox:
         out += ["# --sandbox: a user namespace lets a user manager mount the sandbox below (it fails",
                 "# to start with 226/NAMESPACE where unprivileged user namespaces are switched off).",
                 "PrivateUsers=yes"]
-        out += _system_sandbox(exec_path, config, working_dir, models_dir, gpu, user=True)
+        out += _namespace_sandbox(exec_path, config, working_dir, models_dir, gpu, user=True)
         out += ["CapabilityBoundingSet="]
     out += _seccomp_sandbox()
     if not user:
@@ -177,7 +177,7 @@ def render_unit(
     return "\n".join(out)
 
 
-def _system_sandbox(exec_path: Path, config: Path, working_dir: Path, models_dir: Path, gpu: bool,
+def _namespace_sandbox(exec_path: Path, config: Path, working_dir: Path, models_dir: Path, gpu: bool,
                     user: bool = False) -> list[str]:
     """File-system and kernel sandboxing; needs mount namespaces: a system manager, or a user
     one with PrivateUsers=yes. A user unit leaves out RemoveIPC= (it acts on User=, which a user

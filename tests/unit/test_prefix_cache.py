@@ -125,6 +125,8 @@ def test_a_returning_conversation_finds_the_slot_that_kept_its_history_and_a_new
     assert host.pick_slot(other, free=[0, 2]) == 0  # an empty slot before one holding a history
     target.slot(0).eval(other[:50])
     assert host.pick_slot(other[:40] + [9], free=[0, 2]) == 0  # the longer shared prefix wins
+    third = [(7 * i + 2) % 59 for i in range(100)]
+    assert host.pick_slot(third, free=[0, 1]) == 1  # nothing shared: the empty slot, though numbered higher
     host._prepare_cache(other, 2)  # a new conversation in slot 2 all the same: the old one is saved
     assert host.prefix_cache is not None and len(host.prefix_cache) == 1
     assert host.prefix_cache.prepare(target.slot(0), [*history, 7]) == len(history)  # restored in any slot
