@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from homespec.errors import UserError
+from homespec.llama.kernels import EXACT_MAX_ROWS
 
 
 class Mode(str, Enum):
@@ -91,9 +92,24 @@ class RuntimeConfig(_Strict):
     # measured 9 % slower with it (85.2 vs 77.7 ms a token, same run, 2 cores; prefill and
     # 5-token verify passes unchanged). Our auto: off on a CPU, llama.cpp's choice with a GPU.
     flash_attn: Literal["auto", "on", "off"] = Field("auto", description="Flash attention (auto: off on CPU)")
+    # Without it the AVX2 EPYC ran 8-17-row verify passes 10-25 % faster but prefill 4-10 % and
+    # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
+    tiled_matmul: bool = Field(True, description="ggml's tiled matmul for passes of 8+ tokens (GGML_CPU_TILED_MM overrides)")
+    # Off by default: it gives up repacked weights, long drafts and parallel requests
+    # (Config.k_limit, Config.parallel); the default mode keeps greedy output equal to plain
+    # decoding except at near-ties (DESIGN.md).
+    exact: bool = Field(False, description="Batch-invariant kernels: greedy output with speculation equals plain decoding bit for bit")
+
+    @model_validator(mode="after")
+    def _exact_needs_flash_attn(self) -> RuntimeConfig:
+        if self.exact and self.flash_attn == "off":
+            raise ValueError("exact: needs flash_attn auto or on (without it one-token and batched attention differ)")
+        return self
 
     def flash_attn_for(self, n_gpu_layers: int) -> bool | None:
         """True/False to force it, None to leave the choice to llama.cpp."""
+        if self.exact:
+            return True  # the attention path whose rows do not depend on the batch (llama/kernels.py)
         if self.flash_attn != "auto":
             return self.flash_attn == "on"
         return False if n_gpu_layers == 0 else None
@@ -248,6 +264,19 @@ class Config(_Strict):
     @classmethod
     def _abs(cls, v: Path) -> Path:
         return v.resolve()
+
+    @property
+    def k_limit(self) -> int:
+        """The longest draft the target may verify. Exact mode keeps every pass below ggml's
+        tiled-matmul threshold, where rows stay batch-invariant (llama/kernels.py)."""
+        k = self.speculation.k_max
+        return min(k, EXACT_MAX_ROWS - 1) if self.runtime.exact else k
+
+    @property
+    def parallel(self) -> int:
+        """Requests decoded together. Exact mode decodes one at a time: several requests in one
+        pass would make it 8 rows or more."""
+        return 1 if self.runtime.exact else self.server.parallel
 
     def resolve(self, p: Path) -> Path:
         """A config path made absolute against the config file's folder."""

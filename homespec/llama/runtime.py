@@ -42,6 +42,7 @@ import numpy as np
 from homespec.errors import ModelError
 from homespec.llama.cpu_build import require_matching_build
 from homespec.llama.fim import FimTokens
+from homespec.llama.kernels import fix_tiled_matmul
 from homespec.tokens import common_prefix
 
 require_matching_build()  # before llama.cpp loads: a build for another CPU dies with SIGILL
@@ -93,6 +94,8 @@ _FLASH_ATTN = {
     False: llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
 
+_KV_TYPE = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0}
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:
@@ -112,6 +115,12 @@ class RuntimeOptions:
     # KV-cache sequences (slots): requests decoded together, each holding up to n_ctx tokens.
     # Hidden states are kept for slot 0 only (the MTP head serves the slot a lone request gets).
     n_seq: int = 1
+    # llama.cpp's repacked weight layouts (use_extra_bufts); off for batch-invariant rows (kernels.py)
+    repack: bool = True
+    kv_type: Literal["f16", "q8_0"] = "f16"  # KV cache element type (q8_0: kernels.py, exact mode)
+    # ggml's tiled matmul for passes of 8+ rows: True/False, None = llama.cpp's default. One
+    # setting per process: the first Runtime's wins (kernels.fix_tiled_matmul).
+    tiled_matmul: bool | None = None
 
 
 class Runtime:
@@ -124,7 +133,9 @@ class Runtime:
         self.opts = opts
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
+        self.tiled_matmul: bool = fix_tiled_matmul(opts.tiled_matmul)  # before any matrix product
         mp = llama_cpp.llama_model_default_params()
+        mp.use_extra_bufts = opts.repack
         mp.n_gpu_layers = opts.n_gpu_layers if opts.n_gpu_layers >= 0 else 10_000
         mp.load_mode = {
             (True, True): llama_cpp.LLAMA_LOAD_MODE_MMAP_MLOCK,
@@ -159,6 +170,7 @@ class Runtime:
         cp.n_threads_batch = threads
         cp.embeddings = opts.embeddings
         cp.flash_attn_type = _FLASH_ATTN[opts.flash_attn]
+        cp.type_k = cp.type_v = _KV_TYPE[opts.kv_type]
         if opts.embeddings or opts.hidden_window:
             cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE  # per-token hidden states
         self._ctx = llama_cpp.llama_init_from_model(self._model, cp)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from homespec.config import Config
 from homespec.llama.fim import Chunk, infill_prompt
 from homespec.llama.gguf_info import check_tokenizer_compat
+from homespec.llama.kernels import EXACT_KV_TYPE
 from homespec.llama.runtime import Runtime, RuntimeOptions
 from homespec.llama.template import ChatTemplate
 from homespec.models.fetch import resolve_model_path
@@ -90,7 +91,7 @@ class ModelSet:
             return
         path = resolve_model_path(cfg, cfg.models.draft)
         check_tokenizer_compat(self.target_path, path)  # raises IncompatibleTokenizer
-        self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx, slots=self.target.n_seq))
+        self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx, slots=self.target.n_seq, draft=True))
         self.draft_path = path
 
     def unload_draft(self) -> None:
@@ -106,9 +107,13 @@ class ModelSet:
 
 def runtime_options(
     cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0,
-    slots: int = 1,
+    slots: int = 1, draft: bool = False,
 ) -> RuntimeOptions:
+    """The options of the target, or with `draft` of the draft model: exact mode changes the
+    target's kernels only, since a proposal need not be batch-invariant to be verified exactly."""
     r = cfg.runtime
+    if draft and r.exact:
+        r = r.model_copy(update={"exact": False})
     return RuntimeOptions(
         n_ctx=n_ctx or r.n_ctx,
         n_batch=r.n_batch,
@@ -120,6 +125,10 @@ def runtime_options(
         hidden_window=hidden_window,
         flash_attn=r.flash_attn_for(n_gpu_layers),
         n_seq=slots,
+        # Exact mode: the settings under which a row's logits do not depend on its batch.
+        repack=not r.exact,
+        kv_type=EXACT_KV_TYPE if r.exact else "f16",
+        tiled_matmul=r.tiled_matmul,
     )
 
 
@@ -161,4 +170,7 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         f" x {slots} sequences" if slots > 1 else "",
         target.n_threads,
     )
+    o = target.opts
+    log.info("llama.cpp kernels: %s weights, tiled matmul %s, %s KV cache%s", "repacked" if o.repack else "unpacked",
+             "on" if target.tiled_matmul else "off", o.kv_type, ", exact mode (batch-invariant rows)" if cfg.runtime.exact else "")
     return ms

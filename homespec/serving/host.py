@@ -116,7 +116,7 @@ class Host:
         self.cfg = cfg
         self.models = models
         spec = cfg.speculation
-        k_max = min(spec.k_max, models.target.n_ctx - 1)
+        k_max = min(cfg.k_limit, models.target.n_ctx - 1)
         self.controller = Controller(build_proposers(cfg, models), spec.controller, k_max=k_max)
         self.engine = Engine(models.target)
         # Proposer instances of the slots other than 0 (slot 0 uses the controller's registry).
@@ -294,6 +294,8 @@ class Host:
         self.check_mode(req.mode)
         check_logit_bias(req.params, self.models.target.n_vocab)
         k = self.cfg.speculation.k if req.k is None else req.k
+        if self.cfg.runtime.exact:
+            k = min(k, self.cfg.k_limit)  # a longer pass would not be batch-invariant
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = Mode.OFF if req.mode == Mode.AUTO and not self.controller.cost.calibrated() else req.mode
         try:

@@ -1,0 +1,75 @@
+"""Which llama.cpp CPU kernels a pass uses, and the settings under which a row's logits do not
+depend on the batch it is computed in.
+
+Greedy speculation matches plain decoding only if the target's logits for a position are the
+same whether the position is verified inside a batch of k + 1 or decoded alone. In llama.cpp's
+CPU backend (ggml 0.25.3, llama-cpp-python 0.3.36) they are not, by default. Traced op by op
+(ggml's eval callback, the first token of a 5-token batch against the same token alone, the same
+KV prefix; scripts/batch_invariance.py measures the end result) on an AVX2-only EPYC, four paths
+change with the number of rows, each by a different order of float additions:
+
+- repacked weights (`use_extra_bufts`, on by default): Q4_K is repacked to q4_K_8x8; rows of a
+  pass are taken 4 at a time by a gemm kernel and the rest by a gemv kernel that rounds at other
+  points. The first op to differ is the layer-0 Q projection (1.9e-6), 0.37 in the logits.
+- ggml's tiled K-quant matmul: any pass of >= 8 rows (TILED_MIN_ROWS) over weights that are not
+  repacked (the Q6_K output layer always, Q4_K with repacking off).
+- flash attention off: the KQ and KQV products go through llamafile's sgemm for 2+ rows and
+  ggml_vec_dot_f16 for one (0.0039 in kq-0 already).
+- flash attention on, an f16 or f32 KV cache: a one-token pass over >= 512 cells (a context past
+  256 tokens: n_kv is padded to 256) splits the cells across threads and merges partial
+  softmaxes; a pass of several rows walks them in one order.
+
+With repacking off, flash attention on, a q8_0 KV cache and passes below TILED_MIN_ROWS, rows
+are bitwise equal for every batch size measured (2..9 rows, 3 prompts of ~300 tokens, 12
+positions each: max |Δlogit| 0.0 against 0.34-0.67 by default). That is `runtime.exact`.
+
+The tiled matmul is also a speed question. Turned off, on the AVX2 EPYC (2 threads, repacked
+weights, interleaved processes, 3 rounds), target passes of 8 to 17 rows took 10-25 % less time
+(9 rows: 302-327 against 367-372 ms), but prefill took 4-10 % more (256 tokens: 57-58 against
+62-63 tokens/s), four parallel clients got 18.8-22.3 against 25.0-25.5 tokens/s, and code edits sped up
+1.42x/1.60x against 1.32x/1.57x with it (noise). So it stays on, llama.cpp's default, with a
+switch (`runtime.tiled_matmul`) for other CPUs. Exact mode needs it most: with weights not
+repacked, prefill ran at 30-33 tokens/s without it and 61 with it. ggml reads GGML_CPU_TILED_MM once per process,
+at the first matrix product, so the first model loaded decides it for all (`fix_tiled_matmul`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+
+TILED_ENV = "GGML_CPU_TILED_MM"  # ggml-cpu/tiled/tiled.cpp: "0" turns the tiled matmul off
+TILED_MIN_ROWS = 8  # tiled.cpp ggml_tiled_min_batch: passes of this many rows or more take it
+# Exact mode verifies at most this many rows a pass (k <= EXACT_MAX_ROWS - 1), so the tiled
+# matmul, whether on or off, never computes a decode row.
+EXACT_MAX_ROWS = TILED_MIN_ROWS - 1
+EXACT_KV_TYPE = "q8_0"  # no split-KV softmax for one-token passes (f16/f32 caches only)
+
+_lock = threading.Lock()
+_fixed: bool | None = None  # what this process set, once
+
+
+def fix_tiled_matmul(on: bool | None) -> bool:
+    """Set GGML_CPU_TILED_MM for this process before llama.cpp's first matrix product (None:
+    leave llama.cpp's default); a value the user exported wins, and so does the first call.
+    Returns the setting in effect."""
+    global _fixed
+    with _lock:
+        if _fixed is None:
+            if on is not None and TILED_ENV not in os.environ:
+                os.environ[TILED_ENV] = "1" if on else "0"
+            _fixed = tiled_matmul_in_effect()
+        return _fixed
+
+
+def tiled_matmul_in_effect() -> bool:
+    """Whether ggml takes (or will take) its tiled matmul for passes of TILED_MIN_ROWS or more."""
+    value = os.environ.get(TILED_ENV)
+    return value is None or _atoi(value) != 0  # tiled.cpp: unset, or atoi() non-zero = on
+
+
+def _atoi(text: str) -> int:
+    """C's atoi: optional space and sign, then the leading digits; 0 when there are none."""
+    m = re.match(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else 0
