@@ -92,7 +92,7 @@ class RuntimeConfig(_Strict):
     # measured 9 % slower with it (85.2 vs 77.7 ms a token, same run, 2 cores; prefill and
     # 5-token verify passes unchanged). Our auto: off on a CPU, llama.cpp's choice with a GPU.
     flash_attn: Literal["auto", "on", "off"] = Field("auto", description="Flash attention (auto: off on CPU)")
-    # Without it the AVX2 EPYC ran 8-17-row verify passes 10-25 % faster but prefill 4-10 % and
+    # Without it the AVX2 EPYC ran 8-12-row verify passes 9-20 % faster but prefill 1-10 % and
     # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
     tiled_matmul: bool = Field(True, description="ggml's tiled matmul for passes of 8+ tokens (GGML_CPU_TILED_MM overrides)")
     # Off by default: it gives up repacked weights, long drafts and parallel requests

@@ -24,14 +24,14 @@ are bitwise equal for every batch size measured (2..9 rows, 3 prompts of ~300 to
 positions each: max |Δlogit| 0.0 against 0.34-0.67 by default). That is `runtime.exact`.
 
 The tiled matmul is also a speed question. Turned off, on the AVX2 EPYC (2 threads, repacked
-weights, interleaved processes, 3 rounds), target passes of 8 to 17 rows took 10-25 % less time
-(9 rows: 302-327 against 367-372 ms), but prefill took 4-10 % more (256 tokens: 57-58 against
-62-63 tokens/s), four parallel clients got 18.8-22.3 against 25.0-25.5 tokens/s, and code
-edits sped up 1.42x/1.60x against 1.32x/1.57x with it (noise). So it stays on, llama.cpp's
-default, with a switch (`runtime.tiled_matmul`) for other CPUs. Exact mode needs it most: with
-weights not repacked, prefill ran at 30-33 tokens/s without it and 61 with it. ggml reads
-GGML_CPU_TILED_MM once per process, at the first matrix product, so the first model loaded
-decides it for all (`fix_tiled_matmul`).
+weights, interleaved processes, medians of 3 rounds), target passes of 8 to 12 rows took 9-20 %
+less time (9 rows: 310 against 372 ms; 13 to 17 rows: 0-10 %), but prefill took 1-10 % more
+(256 tokens: 57.3 against 62.2 tokens/s), four parallel clients got 18.8-22.3 against 25.0-25.5
+tokens/s, and code edits sped up 1.42x/1.60x against 1.32x/1.57x with it (noise). So it stays
+on, llama.cpp's default, with a switch (`runtime.tiled_matmul`) for other CPUs. Exact mode needs
+it most: with weights not repacked, prefill ran at 30-33 tokens/s without it and 61 with it.
+ggml reads GGML_CPU_TILED_MM once per process, at the first matrix product, so the first model
+loaded decides it for all (`fix_tiled_matmul`).
 """
 
 from __future__ import annotations
