@@ -54,7 +54,6 @@ def prompts() -> list[list[dict[str, str]]]:
 
 
 def run_mode(exact: bool, tokens: int) -> dict:
-    import numpy as np
 
     from homespec.config import Config
     from homespec.llama.runtime import Runtime
@@ -64,6 +63,7 @@ def run_mode(exact: bool, tokens: int) -> dict:
     from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
     from homespec.speculation.proposers.draft import DraftProposer
     from homespec.speculation.proposers.ngram import NgramProposer
+    from tests.integration.exactness import batch_noise
 
     cfg = Config()
     cfg.base_dir = ROOT
@@ -95,7 +95,9 @@ def run_mode(exact: bool, tokens: int) -> dict:
                 j = next((i for i, (a, b) in enumerate(zip(out["plain"], out[arm])) if a != b), None)
                 div[arm] = j if j is not None or len(out[arm]) == len(out["plain"]) else min(len(out[arm]), len(out["plain"]))
         rows.append({"tokens": len(prompt), "diverged_at": div})
-    noise = batch_noise(target, tmpl, np)
+    deltas = batch_noise(target, ["Write a Python function that reverses a string.", "Explain recursion." + LONG_TAIL],
+                         positions=12, sizes=range(2, 8))
+    noise = max(d for ds in deltas.values() for d in ds)
     n_pre = sum(n for n, _ in prefill)
     return {
         "exact": exact,
@@ -107,27 +109,6 @@ def run_mode(exact: bool, tokens: int) -> dict:
         "prefill_tok_s": n_pre / sum(s for _, s in prefill),
         "noise": noise,
     }
-
-
-def batch_noise(target, tmpl, np) -> float:
-    """max |Δlogit| of 12 greedy positions decoded alone vs in batches of 2..7, after a short
-    and after a long (> 256-token) prompt."""
-    worst = 0.0
-    for text in ("Write a Python function that reverses a string.", "Explain recursion." + LONG_TAIL):
-        ctx = target.tokenize(tmpl.render([{"role": "user", "content": text}]), add_special=False)
-        target.reset()
-        row = target.sync(ctx)[0]
-        base = len(target.tokens)
-        cont, alone = [], []
-        for _ in range(12):
-            cont.append(int(np.argmax(row)))
-            row = target.eval(cont[-1:], "all")[0]
-            alone.append(row)
-        for n in range(2, 8):
-            target.truncate(base)
-            batched = np.concatenate([target.eval(cont[i : i + n], "all") for i in range(0, 12, n)])
-            worst = max(worst, float(np.abs(batched - np.stack(alone)).max()))
-    return worst
 
 
 def main() -> None:

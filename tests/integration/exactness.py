@@ -38,10 +38,9 @@ def encode(rt, text):
     return rt.tokenize(tmpl.render([{"role": "user", "content": text}]), add_special=False)
 
 
-def measure_batch_noise(target_rt, prompts=PROBE_PROMPTS, positions: int = 12) -> float:
-    """Batch noise epsilon: max |logit difference| of the same positions evaluated alone vs inside
-    batches of 2, 5 and 9, over the greedy continuation of several prompts. Noise moves each of
-    the two top logits, so a top-2 margin below 2 epsilon can flip."""
+def batch_noise(target_rt, prompts=PROBE_PROMPTS, positions: int = 12, sizes=(2, 5, 9)) -> dict[str, list[float]]:
+    """Per prompt (its first 24 characters), per batch size: max |logit difference| of the same
+    positions of the target's greedy continuation evaluated alone vs inside batches of that size."""
     deltas: dict[str, list[float]] = {}
     for text in prompts:
         ctx = encode(target_rt, text)
@@ -54,11 +53,19 @@ def measure_batch_noise(target_rt, prompts=PROBE_PROMPTS, positions: int = 12) -
             row = target_rt.eval(cont[-1:], "all")[0]
             alone.append(row)
         alone_arr = np.stack(alone)  # [positions, vocab]
-        for n in (2, 5, 9):
+        for n in sizes:
             target_rt.truncate(base)
             batched = np.concatenate([target_rt.eval(cont[i : i + n], "all") for i in range(0, len(cont), n)])
             deltas.setdefault(text[:24], []).append(float(np.abs(batched - alone_arr).max()))
     target_rt.reset()
+    return deltas
+
+
+def measure_batch_noise(target_rt, prompts=PROBE_PROMPTS, positions: int = 12) -> float:
+    """Batch noise epsilon: max |logit difference| of the same positions evaluated alone vs inside
+    batches of 2, 5 and 9, over the greedy continuation of several prompts. Noise moves each of
+    the two top logits, so a top-2 margin below 2 epsilon can flip."""
+    deltas = batch_noise(target_rt, prompts, positions)
     eps = max(d for ds in deltas.values() for d in ds)
     print(f"\nbatch noise: max |Δlogit| alone vs batched = {eps:.4f} (per prompt, batches of 2/5/9: {deltas})")
     return max(eps, 1e-3)

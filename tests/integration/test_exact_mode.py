@@ -4,7 +4,6 @@ exemption (llama/kernels.py says which llama.cpp paths break this by default and
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from homespec.config import Config
@@ -15,7 +14,7 @@ from homespec.speculation.engine import Engine, FixedPolicy
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from tests.conftest import TARGET, require
-from tests.integration.exactness import encode
+from tests.integration.exactness import batch_noise, encode
 
 # A context past 256 tokens makes llama.cpp's one-token passes span 512 KV cells, where an f16
 # cache would take a split softmax that batched passes do not.
@@ -38,21 +37,11 @@ def exact_rt():
 
 @pytest.mark.integration
 def test_in_exact_mode_a_rows_logits_do_not_depend_on_the_batch(exact_rt):
-    rt = exact_rt
-    for text in (PROMPTS[0], LONG):
-        rt.reset()
-        row = rt.sync(encode(rt, text))[0]  # [vocab]
-        base = len(rt.tokens)
-        cont, alone = [], []
-        for _ in range(EXACT_MAX_ROWS * 2):  # greedy continuation, one token a pass
-            cont.append(int(np.argmax(row)))
-            row = rt.eval(cont[-1:], "all")[0]
-            alone.append(row)
-        for n in range(2, EXACT_MAX_ROWS + 1):
-            rt.truncate(base)
-            batched = np.concatenate([rt.eval(cont[i : i + n], "all") for i in range(0, len(cont), n)])
-            assert np.array_equal(batched, np.stack(alone)), f"batches of {n}: max |Δlogit| {np.abs(batched - np.stack(alone)).max()}"
-    assert base > 256
+    assert len(encode(exact_rt, LONG)) > 256
+    sizes = range(2, EXACT_MAX_ROWS + 1)
+    deltas = batch_noise(exact_rt, [PROMPTS[0], LONG], positions=EXACT_MAX_ROWS * 2, sizes=sizes)
+    for text, ds in deltas.items():
+        assert ds == [0.0] * len(sizes), f"{text!r}: max |Δlogit| per batch size {dict(zip(sizes, ds))}"
 
 
 @pytest.mark.integration

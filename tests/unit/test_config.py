@@ -13,12 +13,18 @@ def test_flash_attention_auto_is_off_on_a_cpu_and_left_to_llama_cpp_with_a_gpu()
     assert auto.flash_attn_for(n_gpu_layers=-1) is None
     assert RuntimeConfig(flash_attn="on").flash_attn_for(0) is True
     assert RuntimeConfig(flash_attn="off").flash_attn_for(-1) is False
+    assert RuntimeConfig(exact=True, flash_attn="on").flash_attn_for(0) is True
 
 
-def test_a_bad_flash_attention_value_is_one_line_naming_the_field(tmp_path):
+@pytest.mark.parametrize("text, field", [
+    ("runtime:\n  flash_attn: sometimes\n", r"runtime\.flash_attn"),
+    # Exact mode needs flash attention: without it one-token and batched attention differ.
+    ("runtime:\n  exact: true\n  flash_attn: 'off'\n", r"runtime.*exact.*flash_attn"),
+])
+def test_a_bad_flash_attention_setting_is_one_line_naming_the_field(tmp_path, text, field):
     path = tmp_path / "config.yaml"
-    path.write_text("runtime:\n  flash_attn: sometimes\n")
-    with pytest.raises(ConfigError, match=r"runtime\.flash_attn") as e:
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field) as e:
         load_config(path)
     assert "\n" not in str(e.value)
 
