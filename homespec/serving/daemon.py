@@ -17,7 +17,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -564,17 +564,13 @@ class Daemon:
         """One target pass for every running job; relay what it produced, end what is done."""
         batch = self._batch
         assert batch is not None
-        events = batch.step()  # a failed pass leaves no request in a known state: _guarded_round
+        batch.step(self._relay)  # a failed pass leaves no request in a known state: _guarded_round
         self._progress = time.monotonic()
         if batch.last is not None:
             self.metrics.batch_sequences.observe(batch.last.sequences)
             self.metrics.batch_rows.observe(batch.last.rows)
             self.mean_batch_rows = (batch.last.rows if self.mean_batch_rows is None
                                     else self.mean_batch_rows + 0.1 * (batch.last.rows - self.mean_batch_rows))
-        for key, ev in events:
-            a = self._active.get(str(key))
-            if a is not None:
-                self._guarded(a.job, lambda job, a=a, ev=ev: self._deliver(a, ev))
         for key, e in batch.take_failures():
             a = self._active.get(str(key))
             if a is not None:
@@ -589,6 +585,12 @@ class Daemon:
                 self._guarded(a.job, lambda job, a=a: self._finish(a, "cancelled"))
             elif now > a.deadline:
                 self._guarded(a.job, lambda job, a=a: self._finish(a, "timeout"))
+
+    def _relay(self, key: Hashable, ev: Event) -> None:
+        """An event of the running set, as the round produces it (Batch.step)."""
+        a = self._active.get(str(key))
+        if a is not None:
+            self._guarded(a.job, lambda job: self._deliver(a, ev))
 
     def _deliver(self, a: _Active, ev: Event) -> None:
         session = self.session

@@ -26,6 +26,8 @@ from homespec.speculation.target import Output, Target
 
 # (target, tokens, output) per part -> logits per part; Runtime.eval_many.
 EvalMany = Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]]
+# Takes a generation's event as soon as it is produced; may remove() generations.
+Deliver = Callable[[Hashable, Event], None]
 
 
 @dataclass
@@ -71,7 +73,9 @@ class Batch:
         r = _Running(key, steps, priority, self._admitted)
         self._admitted += 1
         self._running[key] = r
-        return self._advance(r, None)
+        events: list[Event] = []
+        self._advance(r, None, lambda _, ev: events.append(ev))
+        return events
 
     def remove(self, key: Hashable) -> None:
         """Stop a generation (its client left, its deadline passed): its caches stay consistent."""
@@ -88,12 +92,15 @@ class Batch:
         out, self._failed = self._failed, []
         return out
 
-    def step(self) -> list[tuple[Hashable, Event]]:
-        """One round: one target pass for every running generation; the events it produced.
-        A generation that ended (its last event has a finish_reason) is removed."""
+    def step(self, deliver: Deliver) -> None:
+        """One round: one target pass for every running generation. Each event goes to
+        deliver(key, event) as soon as its generation produces it: a first token does not wait
+        for the drafts of the generations after it in the round, nor for its own proposers'
+        prefill (engine.py). A generation that ended (its last event has a finish_reason) is
+        removed."""
         parts = self._pack()
         if not parts:
-            return []
+            return
         t0 = time.perf_counter()
         if len(parts) == 1:  # one generation: its own pass, exactly as it runs alone (engine.run_alone)
             r, toks, out = parts[0]
@@ -104,8 +111,9 @@ class Batch:
         rows = sum(len(toks) for _, toks, _ in parts)
         prefill = sum(len(toks) for r, toks, _ in parts if _is_prefill(r.pending))  # type: ignore[arg-type]
         self.last = RoundStats(rows, len(parts), prefill, seconds)
-        events: list[tuple[Hashable, Event]] = []
         for (r, toks, _), logits in zip(parts, outs):
+            if r.key not in self._running:
+                continue  # removed by `deliver` during this round (its client left)
             p = r.pending
             assert p is not None
             r.done += len(toks)
@@ -120,8 +128,7 @@ class Batch:
             r.pending, r.done, r.rows = None, 0, []
             # The others' decode rows: each emits about a token (prompt rows emit none).
             alongside = rows - prefill - (len(toks) if not _is_prefill(p) else 0)
-            events += [(r.key, ev) for ev in self._advance(r, reply, alongside=alongside)]
-        return events
+            self._advance(r, reply, deliver, alongside=alongside)
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and
@@ -161,28 +168,30 @@ class Batch:
             chunk -= len(toks)
         return parts
 
-    def _advance(self, r: _Running, reply: np.ndarray | None, alongside: int = 0) -> list[Event]:
-        """Run a generation from its last pass to its next one; collect its events."""
-        events: list[Event] = []
+    def _advance(self, r: _Running, reply: np.ndarray | None, deliver: Deliver, alongside: int = 0) -> None:
+        """Run a generation from its last pass to its next one, delivering its events."""
         msg: np.ndarray | int | None = reply
         while True:
             try:
                 item = r.steps.send(msg)
             except StopIteration:
                 self._running.pop(r.key, None)
-                return events
+                return
             except Exception as e:  # one request's bug (a grammar, a proposer) ends only it
                 self._running.pop(r.key, None)
                 self._failed.append((r.key, e))
-                return events
+                return
             if isinstance(item, Pass):
                 r.pending = item
-                return events
-            events.append(item)
+                return
             if item.finish_reason is not None:  # the generation's last event
                 self._running.pop(r.key, None)
                 r.steps.close()
-                return events
+                deliver(r.key, item)
+                return
+            deliver(r.key, item)
+            if r.key not in self._running:
+                return  # `deliver` removed it (and closed it)
             msg = alongside
 
 

@@ -323,9 +323,8 @@ class Engine:
         st.cached_tokens = min(common_prefix(self.target.tokens, ctx), len(ctx) - 1)
         self.target.truncate(st.cached_tokens)  # Target.sync, as a pass a driver may batch
         logits = yield Pass(self.target, ctx[st.cached_tokens :], "last")  # [1, vocab] after the prompt
-        for proposer in policy.begin(ctx, not params.greedy):
-            proposer.begin(ctx)
         st.prefill_s = time.perf_counter() - t_start
+        prompt = list(ctx)
         if grammar is not None:
             logits = apply_masks(logits, grammar.masks([]))
         first = choose(logits[0], params, window(ctx, params), rng, position=len(ctx))
@@ -346,6 +345,10 @@ class Engine:
                 yield event
                 return
             alongside = (yield event) or 0
+            if prompt:  # the first token is out: a draft's prefill of the prompt is not in its TTFT
+                for proposer in policy.begin(prompt, not params.greedy):
+                    proposer.begin(prompt)
+                prompt = []
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx
             budget = max(0, min(room, max_tokens - st.completion_tokens - 1))
             forced = grammar.forced(budget) if grammar is not None else []

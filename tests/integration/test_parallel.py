@@ -98,8 +98,7 @@ def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_t
             out[i] += ev.tokens
     shared = 0
     while len(batch):
-        for key, ev in batch.step():
-            out[int(key)] += ev.tokens  # type: ignore[call-overload]
+        batch.step(lambda key, ev: out[int(key)].extend(ev.tokens))  # type: ignore[call-overload]
         shared += batch.last is not None and batch.last.sequences > 1
     assert shared >= 10  # the requests stepped together, not one after another
     diverged = 0
@@ -122,3 +121,4 @@ def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_t
     print(f"\n{SLOTS} requests in one batch: {diverged} diverged from plain, all at near-ties; "
           f"{sum(s.proposed for s in stats)} tokens proposed, {shared} shared passes")
     assert sum(s.proposed for s in stats) > 0
+

@@ -41,6 +41,13 @@ def alone(prompt: list[int], policy: FixedPolicy, **kw) -> list[int]:
     return [t for e in events for t in e.tokens]
 
 
+def round_events(batch: Batch) -> list[tuple[Hashable, Event]]:
+    """One round's events, in the order the batch delivered them."""
+    out: list[tuple[Hashable, Event]] = []
+    batch.step(lambda key, ev: out.append((key, ev)))
+    return out
+
+
 def drive(batch: Batch, starts: dict[Hashable, Steps], max_rounds: int = 1000) -> dict[Hashable, list[Event]]:
     out: dict[Hashable, list[Event]] = {key: [] for key in starts}
     for key, steps in starts.items():
@@ -48,7 +55,7 @@ def drive(batch: Batch, starts: dict[Hashable, Steps], max_rounds: int = 1000) -
     for _ in range(max_rounds):
         if not len(batch):
             return out
-        for key, ev in batch.step():
+        for key, ev in round_events(batch):
             out[key].append(ev)
     raise AssertionError("the batch never finished")
 
@@ -86,14 +93,14 @@ def test_a_long_prompt_is_read_in_chunks_while_running_requests_keep_decoding() 
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
     events: dict[Hashable, list[Event]] = {"short": [], "long": []}
     events["short"] += batch.add("short", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=60))
-    for key, ev in batch.step():  # its prompt, alone: read whole
+    for key, ev in round_events(batch):  # its prompt, alone: read whole
         events[key].append(ev)
     long_prompt = [(7 * i) % 60 for i in range(300)]
     events["long"] += batch.add("long", Engine(rt.slot(1)).steps(long_prompt, max_tokens=5))
     rounds = 0
     while not events["long"]:
         before = len(events["short"])
-        for key, ev in batch.step():
+        for key, ev in round_events(batch):
             events[key].append(ev)
         rounds += 1
         assert len(events["short"]) == before + 1  # a step of the short request every round
@@ -101,7 +108,7 @@ def test_a_long_prompt_is_read_in_chunks_while_running_requests_keep_decoding() 
     assert rounds == -(-300 // 32)  # the prompt took ceil(300 / 32) rounds, one chunk each
     solo = alone(long_prompt, FixedPolicy(), max_tokens=5)
     while len(batch):
-        for key, ev in batch.step():
+        for key, ev in round_events(batch):
             events[key].append(ev)
     assert tokens(events["long"]) == solo  # read in chunks, the same answer
 
@@ -110,15 +117,15 @@ def test_a_higher_priority_prompt_is_read_first_and_alone_while_lower_decodes_si
     rt = FakeRuntime(n_seq=3)
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=4)
     batch.add("running", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=50))
-    batch.step()
+    round_events(batch)
     batch.add("low", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=5), priority=0)
     batch.add("high", Engine(rt.slot(2)).steps(PROMPTS[2], max_tokens=5), priority=5)
-    events = batch.step()
+    events = round_events(batch)
     # The high-priority prompt, whole (as on an idle daemon), in a pass of its own: through its
     # own eval, with neither the running decode nor the other prompt.
     assert rt.slot(2).evals == [len(PROMPTS[2])]
     assert [key for key, _ in events] == ["high"]  # its first token; the others sat this round out
-    events = batch.step()
+    events = round_events(batch)
     assert rt.passes[-1][0] == (0, 1) and {"running", "high"} <= {key for key, _ in events}  # all back together
 
 
@@ -130,16 +137,31 @@ def test_removing_a_request_leaves_its_cache_consistent_and_the_others_running()
     for i in (0, 1):
         got[i] += batch.add(i, Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=30, policy=FixedPolicy(NgramProposer(1, 3), 4)))
     for _ in range(4):
-        for key, ev in batch.step():
+        for key, ev in round_events(batch):
             got[key].append(ev)
     batch.remove(0)  # its client hung up
     assert 0 not in batch and len(batch) == 1
     committed = PROMPTS[0] + tokens(got[0])
     assert rt.slot(0).tokens == committed[:-1]  # the cache holds every committed token but the last
     while len(batch):
-        for key, ev in batch.step():
+        for key, ev in round_events(batch):
             got[key].append(ev)
     assert tokens(got[1]) == want
+
+
+def test_a_first_token_is_delivered_before_any_draft_of_the_round_runs() -> None:
+    """Events leave as they are produced: a first token waits neither for the drafts of the
+    generations after it in the round nor for its own draft's prefill (engine.py)."""
+    rt, draft = FakeRuntime(n_seq=2), FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
+    policy = FixedPolicy(DraftProposer(draft.slot(1), rt.n_vocab), 3)
+    batch.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=20, policy=FixedPolicy(DraftProposer(draft.slot(0), rt.n_vocab), 3)))
+    batch.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=20, policy=policy))
+    seen: list[tuple[Hashable, int, int]] = []  # (whose first token, draft passes of a, of b) as it left
+    batch.step(lambda key, ev: seen.append((key, len(draft.slot(0).evals), len(draft.slot(1).evals))))
+    assert seen[0] == ("a", 0, 0)
+    assert seen[1][0] == "b" and seen[1][2] == 0 and seen[1][1] > 0  # after a's draft ran, before b's
+    assert draft.slot(1).evals[0] == len(PROMPTS[1]) - 1  # then b's draft read its prompt
 
 
 class Exploding(NgramProposer):
@@ -155,7 +177,7 @@ def test_a_request_that_raises_ends_alone_and_is_reported() -> None:
     batch.add("bad", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=10, policy=FixedPolicy(Exploding(1, 3), 2)))
     failures = []
     while len(batch):
-        batch.step()
+        round_events(batch)
         failures += batch.take_failures()
     assert [(k, str(e)) for k, e in failures] == [("bad", "a proposer bug")]
     assert ok.completion_tokens == 10 and ok.finish_reason == "length"
@@ -202,9 +224,9 @@ def test_the_rows_beside_a_request_count_other_decodes_not_prompt_chunks() -> No
     batch.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=40, policy=a))
     batch.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=40, policy=b))
     for _ in range(3):
-        batch.step()
+        round_events(batch)
     assert a.alongside[-1] == 1 and b.alongside[-1] == 1  # each other's single decode row
     batch.add("reader", Engine(rt.slot(2)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
-    batch.step()
+    round_events(batch)
     assert a.alongside[-1] == 1  # the 32 prompt rows beside it are not counted
     assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost

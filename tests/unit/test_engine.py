@@ -167,6 +167,24 @@ def test_draft_catches_up_in_one_batch_and_never_reevaluates_the_prompt():
     assert max(draft_rt.evals[1:]) <= 2
 
 
+def test_the_first_token_is_out_before_the_draft_reads_the_prompt():
+    """A draft's prefill of the prompt is not in the time to first token: the first event is
+    handed out before the proposers begin (a voice command's wait is the product)."""
+    eng = make_engine(draft_seed=0)
+    draft_rt = eng.proposers["draft"].rt
+    seen = []
+    for ev in eng.generate(PROMPT, policy=FixedPolicy(eng.proposers["draft"], 3), max_tokens=8):
+        seen.append((len(ev.tokens), list(draft_rt.evals)))
+    assert seen[0] == (1, [])  # the first token, and the draft has read nothing yet
+    assert draft_rt.evals[0] == len(PROMPT) - 1  # then it read the prompt once, as before
+
+
+def test_a_generation_that_ends_at_its_first_token_never_prefills_the_draft():
+    eng = make_engine(draft_seed=0)
+    run(eng, policy=("draft", 3), max_tokens=1)
+    assert eng.proposers["draft"].rt.evals == []
+
+
 def test_second_request_with_shared_prefix_reuses_the_cache():
     eng = make_engine()
     first, _, _, _ = run(eng, policy=FixedPolicy(), max_tokens=5)

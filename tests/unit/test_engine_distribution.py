@@ -148,8 +148,7 @@ def test_requests_sampled_together_in_one_batch_each_keep_the_targets_distributi
             for ev in batch.add(i, steps):
                 tokens[i] += ev.tokens
         while len(batch):
-            for key, ev in batch.step():
-                tokens[int(key)] += ev.tokens  # type: ignore[call-overload]
+            batch.step(lambda key, ev, tokens=tokens: tokens[int(key)].extend(ev.tokens))  # type: ignore[call-overload]
         starts += [tuple(tokens[i][:N_TOKENS]) for i in range(4)]
         accepted += sum(s.accepted for s in stats)
         proposed += sum(s.proposed for s in stats)
