@@ -642,6 +642,16 @@ class Slot:
         if self.seq == 0:
             self.rt._hid_start = self.rt._hid_n = 0
 
+    def share_prefix(self, src: Slot, n: int) -> None:
+        """Hold src's first n positions instead of what this slot held. In the unified cache the
+        cells are only tagged with this sequence as well (llama_memory_seq_cp): no copy, no
+        compute, no extra memory; truncating either sequence later leaves the other's intact."""
+        if src.rt is not self.rt or not 0 <= n <= len(src.tokens):
+            raise ValueError(f"share_prefix: {n} positions of a slot holding {len(src.tokens)}")
+        self.reset()
+        llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)
+        self.tokens[:] = src.tokens[:n]  # in place: Runtime.tokens is slot 0's list
+
     def save_state(self) -> bytes:
         """This sequence's KV cache as bytes (restore with load_state)."""
         return self.rt._save_seq(self.seq)

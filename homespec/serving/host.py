@@ -208,7 +208,9 @@ class Host:
     def _prepare_cache(self, tokens: Sequence[int], slot: int = 0) -> None:
         """Prefix reuse: the best saved conversation goes live; or, with reuse off, start cold."""
         if self.prefix_cache is not None:
-            self.prefix_cache.prepare(self.models.target.slot(slot), tokens)
+            target = self.models.target
+            peers = [target.slot(i) for i in range(self.slots) if i != slot]
+            self.prefix_cache.prepare(target.slot(slot), tokens, peers)
             return
         self._empty(slot)
 

@@ -35,6 +35,7 @@ class FakeRuntime:
         self.seq = 0
         self._slots: list[FakeRuntime] = [self] + [FakeSlot(self, i) for i in range(1, n_seq)]
         self.passes: list[list[tuple[int, int]]] = []  # eval_many calls: [(seq, tokens)] per pass
+        self.rt = self  # the runtime whose cache this sequence is in (FakeSlot: its owner)
 
     def slot(self, i: int) -> FakeRuntime:
         """KV sequence i: slot 0 is this runtime itself, as in Runtime."""
@@ -89,6 +90,10 @@ class FakeRuntime:
 
     def reset(self) -> None:
         self.tokens = []
+
+    def share_prefix(self, src: FakeRuntime, n: int) -> None:
+        assert src.rt is self.rt and 0 <= n <= len(src.tokens), "share_prefix: another runtime, or too long"
+        self.tokens = list(src.tokens[:n])
 
     def is_eog(self, token: int) -> bool:
         return token == self.eos

@@ -155,3 +155,35 @@ def test_idle_histories_stay_while_others_run_and_go_to_the_prefix_cache_when_on
     host.release_slot(0, busy=[])
     assert target.slot(0).tokens == histories[0]  # a lone user's next turn finds it live
     assert host.prefix_cache.prepare(target.slot(2), [*histories[3], 7]) == 300  # and the others in any slot
+
+
+def test_a_new_request_borrows_the_longest_prefix_a_running_sequence_holds_and_the_lender_keeps_its_own() -> None:
+    """A voice command beside three long answers shares the chat template's system prompt with
+    them: it reads only its own words (share_prefix, free in llama.cpp's unified cache)."""
+    from types import SimpleNamespace
+
+    from homespec.config import Config
+    from homespec.serving.host import Host
+
+    from .fakes import FakeRuntime
+
+    target = FakeRuntime(n_seq=3, n_ctx=1024)
+    host = Host(Config(), SimpleNamespace(target=target, draft=None, mtp_head=None))  # type: ignore[arg-type]
+    system = [(3 * i) % 60 for i in range(30)]
+    running = [*system, 1, 2, 3, *range(100)]
+    target.slot(0).eval(running)  # a long answer, still generating
+    command = [*system, 7, 8, 9]
+    assert host.prefix_cache is not None
+    assert host.prefix_cache.prepare(target.slot(2), command, [target.slot(0), target.slot(1)]) == len(system)
+    assert target.slot(2).tokens == system and target.slot(0).tokens == running
+    assert host.prefix_cache.shares == 1 and host.prefix_cache.restores == 0
+    # Host._prepare_cache offers every other slot; a saved state longer than any peer's prefix wins.
+    saved = [*system, 7, 8, *range(200)]
+    target.slot(1).eval(saved)
+    host.prefix_cache.stash(target.slot(1))
+    target.slot(1).reset()
+    host._prepare_cache([*saved[:150], 5], 1)
+    assert target.slot(1).tokens == saved and host.prefix_cache.restores == 1 and host.prefix_cache.shares == 1
+    # Nothing longer elsewhere: the slot's own history stays as it is.
+    host._prepare_cache([*running, 4], 0)
+    assert target.slot(0).tokens == running and host.prefix_cache.shares == 1
