@@ -53,10 +53,12 @@ class _Entry:
 class PrefixCache:
     def __init__(self, budget_bytes: int, min_tokens: int = 16) -> None:
         self.budget = budget_bytes  # bytes
-        # Histories shorter than this are not worth an entry. Saving is no reason: the 1.5B
-        # target's 16-token state (449 KiB) saved in 1.7 ms and loaded in 0.9 ms, where reading
-        # those 16 tokens again took ~500 ms on 2 cores. A voice command's history (template and
-        # "Turn on the") is short, and its reuse is half its TTFT.
+        # A history is saved (whole) when a request would throw away at least this many of its
+        # tokens. Fewer are not worth an entry; the cost of saving is no reason for more: the
+        # 1.5B target's 16-token state (449 KiB) saved in 1.7 ms and loaded in 0.9 ms, where
+        # reading those 16 tokens again took ~500 ms on 2 cores (128 tokens: 10 and 4 ms). A
+        # voice command's history (template and "Turn on the") is short, and its reuse is half
+        # its TTFT.
         self.min_tokens = min_tokens  # tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
         self._next_id = 0
@@ -87,15 +89,16 @@ class PrefixCache:
             n = common_prefix(e.tokens, prompt)
             if n > best_len:
                 best_id, best_len = eid, n
-        lender, lent = None, best_len
+        lender, lent = None, live
         for peer in peers:
-            n = common_prefix(peer.tokens, prompt)
+            n = common_prefix(peer.tokens, prompt) if peer is not rt else 0
             if n > lent:
                 lender, lent = peer, n
-        if lender is not None:
+        if lender is not None and lent >= best_len:  # a tie with a saved state: sharing is free
             self._save_live(rt, keep=live)
             rt.share_prefix(lender, lent)
             self.shares += 1
+            log.debug("shared %d tokens of the prompt with another sequence", lent)
             return lent
         entry = self._entries.pop(best_id) if best_id is not None else None
         self._save_live(rt, keep=live)

@@ -646,7 +646,7 @@ class Slot:
         """Hold src's first n positions instead of what this slot held. In the unified cache the
         cells are only tagged with this sequence as well (llama_memory_seq_cp): no copy, no
         compute, no extra memory; truncating either sequence later leaves the other's intact."""
-        if src.rt is not self.rt or not 0 <= n <= len(src.tokens):
+        if src.rt is not self.rt or src is self or not 0 <= n <= len(src.tokens):
             raise ValueError(f"share_prefix: {n} positions of a slot holding {len(src.tokens)}")
         self.reset()
         llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)

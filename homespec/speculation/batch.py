@@ -26,7 +26,8 @@ from homespec.speculation.target import Output, Target
 
 # (target, tokens, output) per part -> logits per part; Runtime.eval_many.
 EvalMany = Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]]
-# Takes a generation's event as soon as it is produced; may remove() generations.
+# Takes a generation's event as soon as it is produced; may remove() that generation (its
+# client left). An exception it raises ends that generation alone, as one of its own would.
 Deliver = Callable[[Hashable, Event], None]
 
 
@@ -112,7 +113,7 @@ class Batch:
         prefill = sum(len(toks) for r, toks, _ in parts if _is_prefill(r.pending))  # type: ignore[arg-type]
         self.last = RoundStats(rows, len(parts), prefill, seconds)
         for (r, toks, _), logits in zip(parts, outs):
-            if r.key not in self._running:
+            if self._running.get(r.key) is not r:
                 continue  # removed by `deliver` during this round (its client left)
             p = r.pending
             assert p is not None
@@ -184,14 +185,19 @@ class Batch:
             if isinstance(item, Pass):
                 r.pending = item
                 return
-            if item.finish_reason is not None:  # the generation's last event
+            last = item.finish_reason is not None  # the generation's last event
+            if last:
                 self._running.pop(r.key, None)
                 r.steps.close()
+            try:
                 deliver(r.key, item)
+            except Exception as e:
+                if self._running.pop(r.key, None) is not None:
+                    r.steps.close()
+                self._failed.append((r.key, e))
                 return
-            deliver(r.key, item)
-            if r.key not in self._running:
-                return  # `deliver` removed it (and closed it)
+            if last or self._running.get(r.key) is not r:
+                return  # (`deliver` removed it, and closed it)
             msg = alongside
 
 

@@ -237,8 +237,9 @@ class Controller:
     def begin(self, prompt: Sequence[int], sampled: bool = False) -> list[Proposer]:
         """A request starts: draft lengths are earned afresh, and acceptance is learned apart
         for sampled requests. Prefill the proposers whose prefill is free (a prompt-lookup index also
-        learns where the prompt ends) and the others only while they pay (a draft's prefill costs
-        TTFT for nothing otherwise); the rest catch up if a probe picks them."""
+        learns where the prompt ends) and the others only while they pay (a draft's prefill, run
+        after the first token, delays the second for nothing otherwise); the rest catch up if a
+        probe picks them."""
         self.req.earned = {}
         self.req.sampled = sampled
         plain = self._plain()

@@ -164,6 +164,48 @@ def test_a_first_token_is_delivered_before_any_draft_of_the_round_runs() -> None
     assert draft.slot(1).evals[0] == len(PROMPTS[1]) - 1  # then b's draft read its prompt
 
 
+def test_a_generation_its_deliver_removes_gets_no_more_events_and_the_others_run_on() -> None:
+    """The daemon ends a request from inside `deliver` (its client left): the batch must not
+    advance it again, and the others finish as they would have."""
+    rt = FakeRuntime(n_seq=2)
+    want = alone(PROMPTS[1], FixedPolicy(NgramProposer(1, 3), 4), max_tokens=20)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
+    got: dict[Hashable, list[Event]] = {"leaves": [], "stays": []}
+    batch.add("leaves", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=20, policy=FixedPolicy(NgramProposer(1, 3), 4)))
+    batch.add("stays", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=20, policy=FixedPolicy(NgramProposer(1, 3), 4)))
+
+    def deliver(key: Hashable, ev: Event) -> None:
+        got[key].append(ev)
+        if key == "leaves" and len(got[key]) == 3:
+            batch.remove(key)
+
+    while len(batch):
+        batch.step(deliver)
+    assert len(got["leaves"]) == 3 and "leaves" not in batch
+    assert tokens(got["stays"]) == want and got["stays"][-1].finish_reason == "length"
+
+
+def test_a_deliver_that_raises_ends_only_its_generation_and_is_reported() -> None:
+    rt = FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
+    ok = GenerationStats()
+    batch.add("ok", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=10, stats=ok))
+    batch.add("bad", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=10))
+
+    def deliver(key: Hashable, ev: Event) -> None:
+        if key == "bad":
+            raise ConnectionResetError("the client's socket broke")
+
+    failures = []
+    for _ in range(30):
+        if not len(batch):
+            break
+        batch.step(deliver)
+        failures += batch.take_failures()
+    assert [(k, str(e)) for k, e in failures] == [("bad", "the client's socket broke")]
+    assert ok.completion_tokens == 10 and ok.finish_reason == "length" and not len(batch)
+
+
 class Exploding(NgramProposer):
     def propose(self, *a, **kw):
         raise RuntimeError("a proposer bug")

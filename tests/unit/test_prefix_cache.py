@@ -187,3 +187,10 @@ def test_a_new_request_borrows_the_longest_prefix_a_running_sequence_holds_and_t
     # Nothing longer elsewhere: the slot's own history stays as it is.
     host._prepare_cache([*running, 4], 0)
     assert target.slot(0).tokens == running and host.prefix_cache.shares == 1
+    # A saved state and a running sequence offering as much: sharing is free, restoring a copy.
+    target.slot(1).reset()
+    target.slot(1).eval(running)
+    host.prefix_cache.stash(target.slot(1))
+    target.slot(1).reset()
+    assert host.prefix_cache.prepare(target.slot(2), [*running[:60], 9], [target.slot(0), target.slot(2)]) == 60
+    assert host.prefix_cache.shares == 2 and host.prefix_cache.restores == 1 and target.slot(2).tokens == running[:60]

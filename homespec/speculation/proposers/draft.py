@@ -29,7 +29,7 @@ from homespec.tokens import common_prefix
 
 class DraftProposer:
     name = "draft"
-    free_prefill = False  # a prefill of the prompt costs TTFT: only while drafting pays
+    free_prefill = False  # reading the prompt delays the second token and the round: only while drafting pays
 
     def __init__(self, runtime: Target, target_vocab: int) -> None:
         self.rt = runtime

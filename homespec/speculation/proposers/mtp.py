@@ -58,7 +58,7 @@ class HeadRunner(Protocol):
 
 class MTPProposer:
     name = "mtp"
-    free_prefill = False  # building the head's entries for the prompt costs TTFT
+    free_prefill = False  # building the head's entries for the prompt delays the second token
 
     def __init__(self, target: HiddenStates, runner: HeadRunner) -> None:
         """target: keeps at least the head's window of hidden states."""
@@ -105,7 +105,8 @@ class MTPProposer:
         return h_pred, logits, last + 1 - lo
 
     def begin(self, prompt: Sequence[int]) -> None:
-        # The target has just read the prompt: build the entries it allows now, during prefill.
+        # The target has just read the prompt (and holds nothing more until the first verify
+        # pass): build the entries it allows now.
         # Entry len(prompt) - 1 needs the first generated token; the first proposal adds it.
         if len(prompt) >= 2 and list(self.target.tokens[: len(prompt) - 1]) == list(prompt[:-1]):
             self._sync(prompt, len(prompt) - 2)
