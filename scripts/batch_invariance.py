@@ -41,16 +41,10 @@ LONG_TAIL = " Answer carefully, and explain each step of your reasoning in detai
 
 
 def prompts() -> list[list[dict[str, str]]]:
-    import yaml
+    from homespec.serving.bench import load_workloads
 
-    out = []
-    for name in ("code", "edit", "chat", "json"):
-        raw = yaml.safe_load((ROOT / "homespec" / "bench_prompts" / f"{name}.yaml").read_text())
-        for p in raw["prompts"]:
-            msgs = [{"role": "system", "content": p["system"]}] if p.get("system") else []
-            out.append(msgs + [{"role": "user", "content": p["user"]}])
-    out += [[{"role": "user", "content": t}] for t in EXTRA]
-    return out
+    out = [p.messages for w in load_workloads(("code", "edit", "chat", "json")) for p in w.prompts]
+    return out + [[{"role": "user", "content": t}] for t in EXTRA]
 
 
 def run_mode(exact: bool, tokens: int) -> dict:
@@ -63,7 +57,7 @@ def run_mode(exact: bool, tokens: int) -> dict:
     from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
     from homespec.speculation.proposers.draft import DraftProposer
     from homespec.speculation.proposers.ngram import NgramProposer
-    from tests.integration.exactness import batch_noise
+    from tests.integration.exactness import batch_noise, first_divergence
 
     cfg = Config()
     cfg.base_dir = ROOT
@@ -92,7 +86,7 @@ def run_mode(exact: bool, tokens: int) -> dict:
         div = {}
         for arm in arms:
             if arm != "plain":
-                j = next((i for i, (a, b) in enumerate(zip(out["plain"], out[arm])) if a != b), None)
+                j = first_divergence(out["plain"], out[arm])
                 div[arm] = j if j is not None or len(out[arm]) == len(out["plain"]) else min(len(out[arm]), len(out["plain"]))
         rows.append({"tokens": len(prompt), "diverged_at": div})
     deltas = batch_noise(target, ["Write a Python function that reverses a string.", "Explain recursion." + LONG_TAIL],

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from homespec.config import Config  # noqa: E402
 from homespec.llama import runtime as R  # noqa: E402
-from homespec.llama.template import ChatTemplate  # noqa: E402
 from homespec.models.fetch import resolve_model_path  # noqa: E402
 from homespec.models.loader import runtime_options  # noqa: E402
+from tests.integration.exactness import encode  # noqa: E402
 
 llama_cpp = R.llama_cpp
 
@@ -99,7 +99,7 @@ def main() -> None:
     text = "Write a Python function that returns the n-th Fibonacci number iteratively."
     if args.long:
         text += " Explain each step of your reasoning in detail." * 30
-    prompt = rt.tokenize(ChatTemplate(rt.chat_template).render([{"role": "user", "content": text}]), add_special=False)
+    prompt = encode(rt, text)
     row = rt.sync(prompt)[0]
     base = len(rt.tokens)
     cont = []

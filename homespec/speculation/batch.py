@@ -113,8 +113,6 @@ class Batch:
         prefill = sum(len(toks) for r, toks, _ in parts if _is_prefill(r.pending))  # type: ignore[arg-type]
         self.last = RoundStats(rows, len(parts), prefill, seconds)
         for (r, toks, _), logits in zip(parts, outs):
-            if self._running.get(r.key) is not r:
-                continue  # removed by `deliver` during this round (its client left)
             p = r.pending
             assert p is not None
             r.done += len(toks)
@@ -196,9 +194,9 @@ class Batch:
                     r.steps.close()
                 self._failed.append((r.key, e))
                 return
-            if last or self._running.get(r.key) is not r:
-                return  # (`deliver` removed it, and closed it)
-            msg = alongside
+            if last:
+                return
+            msg = alongside  # (if `deliver` removed it, it is closed: the next send ends it)
 
 
 def _is_prefill(p: Pass) -> bool:

@@ -171,7 +171,8 @@ def test_a_generation_its_deliver_removes_gets_no_more_events_and_the_others_run
     want = alone(PROMPTS[1], FixedPolicy(NgramProposer(1, 3), 4), max_tokens=20)
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64)
     got: dict[Hashable, list[Event]] = {"leaves": [], "stays": []}
-    batch.add("leaves", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=20, policy=FixedPolicy(NgramProposer(1, 3), 4)))
+    leaving = Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=20, policy=FixedPolicy(NgramProposer(1, 3), 4))
+    batch.add("leaves", leaving)
     batch.add("stays", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=20, policy=FixedPolicy(NgramProposer(1, 3), 4)))
 
     def deliver(key: Hashable, ev: Event) -> None:
@@ -182,6 +183,7 @@ def test_a_generation_its_deliver_removes_gets_no_more_events_and_the_others_run
     while len(batch):
         batch.step(deliver)
     assert len(got["leaves"]) == 3 and "leaves" not in batch
+    assert leaving.gi_frame is None  # closed at once, not whenever it is collected
     assert tokens(got["stays"]) == want and got["stays"][-1].finish_reason == "length"
 
 
