@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from homespec.errors import UserError
-from homespec.llama.kernels import EXACT_MAX_ROWS
+from homespec.llama.kernels import EXACT_KV_TYPE, EXACT_MAX_ROWS
 
 
 class Mode(str, Enum):
@@ -105,6 +105,11 @@ class RuntimeConfig(_Strict):
         if self.exact and self.flash_attn == "off":
             raise ValueError("exact: needs flash_attn auto or on (without it one-token and batched attention differ)")
         return self
+
+    @property
+    def kv_type(self) -> Literal["f16", "q8_0"]:
+        """The target's KV-cache element type: f16, llama.cpp's default, except in exact mode."""
+        return EXACT_KV_TYPE if self.exact else "f16"
 
     def flash_attn_for(self, n_gpu_layers: int) -> bool | None:
         """True/False to force it, None to leave the choice to llama.cpp."""

@@ -69,9 +69,18 @@ class GGUFInfo:
     token_embd_bytes: int | None = None  # bytes of token_embd.weight; None when the file has none
     output_bytes: int | None = None  # bytes of output.weight; 0 when tied to token_embd (absent)
 
-    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
-        """KV-cache bytes one token costs: K and V, all layers (f16 = 2 bytes per element)."""
-        return self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_elem
+    def kv_bytes_per_token(self, kv_type: str = "f16") -> int:
+        """KV-cache bytes one token costs: K and V, all layers, in the cache's element type."""
+        return kv_bytes_per_token(self.n_layer, self.n_head_kv * self.head_dim_k, self.n_head_kv * self.head_dim_v, kv_type)
+
+
+def kv_bytes_per_token(n_layer: int, k_width: int, v_width: int, kv_type: str = "f16") -> int:
+    """Bytes of one token's K row (k_width elements) and V row, over n_layer layers, as llama.cpp
+    stores them in a `kv_type` cache ("f16", "q8_0": ggml's block sizes, e.g. 34 bytes per 32)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred: importing gguf costs ~0.1 s
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kv_type.upper()]]  # elements, bytes per block
+    return n_layer * (-(-k_width // block) + -(-v_width // block)) * size
 
 
 @dataclass

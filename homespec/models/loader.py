@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from homespec.config import Config
 from homespec.llama.fim import Chunk, infill_prompt
 from homespec.llama.gguf_info import check_tokenizer_compat
-from homespec.llama.kernels import EXACT_KV_TYPE
 from homespec.llama.runtime import Runtime, RuntimeOptions
 from homespec.llama.template import ChatTemplate
 from homespec.models.fetch import resolve_model_path
@@ -127,7 +126,7 @@ def runtime_options(
         n_seq=slots,
         # Exact mode: the settings under which a row's logits do not depend on its batch.
         repack=not r.exact,
-        kv_type=EXACT_KV_TYPE if r.exact else "f16",
+        kv_type=r.kv_type,
         tiled_matmul=r.tiled_matmul,
     )
 

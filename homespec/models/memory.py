@@ -138,12 +138,13 @@ def estimate(
     n_ubatch: int | None = None,
     flash_attn: bool = True,
     n_outputs: int = VERIFY_OUTPUTS,
-    kv_bytes_per_elem: int = 2,
+    kv_type: str = "f16",
 ) -> Footprint:
     """Bytes `info`'s model needs at this context, as llama.cpp places it.
 
     n_ubatch defaults to n_batch, as runtime.py sets it. flash_attn: llama.cpp's default "auto"
-    turns it on for the CPU (measured) and for CUDA. kv_bytes_per_elem 2: f16 cache, the default.
+    turns it on for the CPU (measured) and for CUDA. kv_type: the cache's element type ("f16", the
+    default; exact mode's "q8_0" takes 34 bytes per 32 elements).
 
     Placement follows llama.cpp's layer split: token_embd always stays in RAM; n_gpu_layers counts
     the n_layer repeating layers from the last one down, and the output matrix is one more "layer",
@@ -173,7 +174,7 @@ def estimate(
     weights_ram = info.tensor_bytes - layers_vram - (out if output_on_gpu else 0)
 
     cells = -(-n_ctx // KV_PAD) * KV_PAD
-    kv = cells * info.kv_bytes_per_token(kv_bytes_per_elem)
+    kv = cells * info.kv_bytes_per_token(kv_type)
     kv_vram = kv * gpu_rep // max(1, n_layer)
 
     graph = compute_buffer(info, cells, u, flash_attn=flash_attn)
@@ -349,12 +350,13 @@ def pair_footprints(
     target_gpu_layers: int = 0,
     draft_gpu_layers: int = 0,
     flash_attn: bool = True,
+    target_kv_type: str = "f16",  # the draft's cache is always f16 (exact mode changes the target only)
     target_extra_ram: int = 0,  # bytes: what rides with the target in RAM (the MTP head)
 ) -> FootprintsAt:
     """The FootprintsAt plan_load wants, from GGUF metadata and the runtime settings."""
 
     def at(n_ctx: int) -> tuple[Footprint, Footprint | None]:
-        t = estimate(target, n_ctx, n_batch, target_gpu_layers, flash_attn=flash_attn)
+        t = estimate(target, n_ctx, n_batch, target_gpu_layers, flash_attn=flash_attn, kv_type=target_kv_type)
         t = replace(t, compute_ram=t.compute_ram + target_extra_ram)
         d = None if draft is None else estimate(draft, n_ctx, n_batch, draft_gpu_layers, flash_attn=flash_attn)
         return t, d

@@ -380,6 +380,7 @@ class Daemon:
             # The compute buffer depends on it; llama.cpp's auto (GPU) enables it where the
             # backend supports it, so only an explicit off plans for the buffer without it.
             flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers) is not False,
+            target_kv_type=cfg.runtime.kv_type,
         )
         # Each request decoding at once has a KV sequence of n_ctx. Fewer slots are the smallest
         # loss when memory is short: first the most slots that fit the configured models as they

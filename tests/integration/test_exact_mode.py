@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 
 from homespec.config import Config
+from homespec.llama.gguf_info import read_gguf_info
 from homespec.llama.kernels import EXACT_MAX_ROWS
 from homespec.llama.runtime import Runtime
 from homespec.models.loader import runtime_options
+from homespec.serving.daemon import Daemon
 from homespec.speculation.engine import Engine, FixedPolicy
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
@@ -84,3 +86,32 @@ def test_an_exact_mode_host_verifies_at_most_seven_rows_a_pass_and_matches_plain
         spec = [t for ev in gen for t in ev.tokens]
         assert gen.stats.proposed > 0 and max(rows) == EXACT_MAX_ROWS  # the copy drafts as far as allowed
         assert spec == plain
+
+
+@pytest.mark.integration
+def test_the_memory_plan_counts_exact_modes_q8_0_cache_at_the_bytes_llama_cpp_keeps_per_token(exact_rt):
+    cfg = Config()
+    cfg.runtime.exact = True
+    per_token = read_gguf_info(TARGET).kv_bytes_per_token(cfg.runtime.kv_type)  # bytes, what plan_load counts
+    saved = []
+    for n in (64, 128):
+        exact_rt.reset()
+        exact_rt.eval(list(range(1000, 1000 + n)))
+        saved.append(len(exact_rt.save_state()))  # bytes: the sequence's cells as llama.cpp stores them
+    # Measured 15,244 bytes a token: 15,232 of K and V (q8_0) plus the cell's position and sequence.
+    assert 0 <= (saved[1] - saved[0]) / 64 - per_token <= 16
+
+
+@pytest.mark.integration
+def test_the_daemons_memory_plan_gives_exact_mode_the_smaller_q8_0_cache():
+    require(TARGET)
+    kv = {}
+    for exact in (False, True):
+        cfg = Config()
+        cfg.runtime.exact = exact
+        d = Daemon(cfg)
+        d._plan()  # GGUF headers only: no weights are loaded
+        kv[exact] = d.footprints[0].kv  # bytes
+    cells = Config().runtime.n_ctx  # one slot in exact mode; the default's 4096 is a multiple of 256
+    assert kv[True] == cells * read_gguf_info(TARGET).kv_bytes_per_token("q8_0")
+    assert kv[False] >= 1.8 * kv[True]  # f16 per slot, and the default's parallel slots

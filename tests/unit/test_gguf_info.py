@@ -93,7 +93,8 @@ def test_info_defaults_kv_heads_to_heads_and_name_to_file_stem(tmp_path: Path) -
     info = read_gguf_info(write_gguf(tmp_path / "no-name.gguf", name=None, head_count_kv=None, key_length=32))
     assert info.name == "no-name" and info.n_head_kv == 8
     assert (info.head_dim_k, info.head_dim_v) == (32, 32)
-    assert info.kv_bytes_per_token(bytes_per_elem=1) == 3 * 8 * 64
+    assert info.kv_bytes_per_token() == 3 * 8 * (32 + 32) * 2  # f16
+    assert info.kv_bytes_per_token("q8_0") == 3 * 8 * (32 + 32) // 32 * 34  # blocks of 32 elements in 34 bytes
 
 
 def test_token_texts_round_trip_exactly(tmp_path: Path) -> None:

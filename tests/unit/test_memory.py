@@ -14,6 +14,7 @@ import pytest
 
 from homespec.config import MemoryConfig
 from homespec.errors import UserError
+from homespec.llama.gguf_info import kv_bytes_per_token
 from homespec.models.memory import (
     MIN_SHRINK_CTX,
     MODEL_OVERHEAD,
@@ -52,8 +53,8 @@ class FakeInfo:
     token_embd_bytes: int = 131272704  # bytes (q4_K)
     output_bytes: int = 191439360  # bytes (q6_K)
 
-    def kv_bytes_per_token(self, bytes_per_elem: int = 2) -> int:
-        return self.n_layer * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_elem
+    def kv_bytes_per_token(self, kv_type: str = "f16") -> int:
+        return kv_bytes_per_token(self.n_layer, self.n_head_kv * self.head_dim_k, self.n_head_kv * self.head_dim_v, kv_type)
 
 
 QWEN_1_5B = FakeInfo()
@@ -108,6 +109,15 @@ def test_what_rides_with_the_target_counts_in_its_ram_only():
 def test_kv_cache_rounds_context_up_to_256_cells():
     # llama.cpp printed "CPU KV buffer size = 12.00 MiB" for the 0.5B model at n_ctx 1000.
     assert mib(estimate(QWEN_0_5B, 1000, 512, 0).kv) == 12.00
+
+
+def test_exact_modes_q8_0_cache_is_planned_at_its_own_size_and_the_draft_stays_f16():
+    # llama.cpp, the 1.5B target at n_ctx 4096: "size = 59.50 MiB (4096 cells, 28 layers, 1/1 seqs),
+    # K (q8_0): 29.75 MiB, V (q8_0): 29.75 MiB"; f16 is 112 MiB.
+    assert mib(estimate(QWEN_1_5B, 4096, 512, 0, kv_type="q8_0").kv) == 59.50
+    exact = pair_footprints(QWEN_1_5B, QWEN_0_5B, n_batch=512, target_kv_type="q8_0")(4096)
+    default = pair_footprints(QWEN_1_5B, QWEN_0_5B, n_batch=512)(4096)
+    assert default[0].kv - exact[0].kv == (112 - 59.5) * MiB and exact[1] == default[1]
 
 
 def test_n_ubatch_follows_n_batch_so_a_larger_batch_grows_the_compute_buffer():
