@@ -93,6 +93,20 @@ def _f(x: float | None, fmt: str) -> str:
     return "—".rjust(width) if x is None else format(x, fmt)
 
 
+def _ceilings(calibration: dict[str, dict[str, float]]) -> str:
+    """What each proposer could give at most on this machine's cost curve: prompt lookup costs
+    microseconds, a model proposer its calibrated seconds per token (costs.ceiling)."""
+    from homespec.speculation.costs import ceiling
+
+    curve = {int(n): float(s) for n, s in calibration["target"].items()}
+    per_token = {"ngram": 0.0, **{p: float(c["1"]) for p, c in calibration.items() if p != "target"}}
+    parts = []
+    for p, c in per_token.items():
+        k, gain = ceiling(curve, c)
+        parts.append(f"{p} {gain:.2f}x" + (f" (k={k})" if k else " (off)"))
+    return ", ".join(parts)
+
+
 def format_report(report) -> str:  # report: bench.BenchReport
     c = report.config
     cal = report.calibration.get("target", {})
@@ -103,6 +117,8 @@ def format_report(report) -> str:  # report: bench.BenchReport
     ]
     if "draft" in report.calibration:
         lines.append(f"draft pass cost: {float(report.calibration['draft']['1']) * 1000:.0f} ms/token")
+    if cal:
+        lines.append(f"ceiling, every drafted token accepted: {_ceilings(report.calibration)}")
     header = (
         f"{'arm':<15} {'tok/s':>6} {'speedup':>7} {'exp.':>5} {'acc.rate':>8} {'acc.len':>7} "
         f"{'TTFT s':>6} {'draft ms':>8} {'verify ms':>9} {'RSS MiB':>7} {'=off':>6}  chosen"

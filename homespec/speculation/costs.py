@@ -156,6 +156,23 @@ class AcceptanceModel:
         return expected_emitted(self.rates(key))
 
 
+def ceiling(verify_s: Mapping[int, float], propose_s: float = 0.0) -> tuple[int, float]:
+    """The most speculation can speed decoding up on a measured cost curve, and the k that gets
+    it: every drafted token accepted, by a proposer costing propose_s seconds a token. verify_s:
+    {n: seconds of a target pass over n tokens}. (k, max over measured n = k + 1 of
+    (k + 1) t(1) / (t(k + 1) + k propose_s)); (0, 1.0) when no k beats plain decoding. Between
+    measured sizes the controller interpolates linearly, and a ratio of linear functions peaks at
+    an end, so the measured sizes are the candidates."""
+    t1 = verify_s[1]
+    best = (0, 1.0)
+    for n in sorted(verify_s):
+        k = n - 1
+        gain = n * t1 / (verify_s[n] + k * propose_s) if k else 1.0
+        if gain > best[1]:
+            best = (k, gain)
+    return best
+
+
 def expected_emitted(rates: np.ndarray) -> np.ndarray:
     """Conditional acceptance a [k] -> E[emitted tokens] [k + 1] for k = 0..len(a):
     E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i (the bonus token plus each accepted prefix)."""

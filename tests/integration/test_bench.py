@@ -51,6 +51,7 @@ def test_bench_runs_every_arm_on_every_prompt_and_reports_speedups_against_plain
     assert all(0 <= r.same_as_plain <= 4 for r in rows.values())
     text = format_report(report)
     assert "== edit" in text and "ngram k=2" in text and "create_completion" in text
+    assert "ceiling, every drafted token accepted: ngram " in text
     assert report.calibration["target"] and report.prefill["edit"] > 0
 
 
