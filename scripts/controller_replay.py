@@ -5,7 +5,8 @@
     .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json]
 
 record: greedy outputs of the bench's prompts (or of M.json: {workload: [[chat messages]]}), with
-the target model. replay: auto against fixed ngram arms on those outputs (homespec.speculation.replay), each
+the target model. replay: auto against fixed ngram arms and a hindsight oracle (the accepted tokens known in advance)
+on those outputs (homespec.speculation.replay), each
 step priced with the target's pass costs from a bench run's calibration (default: the curve the
 unit tests use, measured on the 2-core development machine).
 """
@@ -64,7 +65,7 @@ def replay(args: argparse.Namespace) -> None:
         c.cost.set_verify(samples)
         return c
 
-    table = compare(workloads, controller, pass_cost(samples))
+    table = compare(workloads, controller, pass_cost(samples), oracle_k=max(samples) - 1)
     names = list(workloads)
     print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
     for arm, row in table.items():

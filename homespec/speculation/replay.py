@@ -82,6 +82,29 @@ def replay(
     return out
 
 
+def oracle(recordings: Sequence[Recording], ngram: NgramProposer, pass_s: Callable[[int], float], k_max: int) -> StepTally:
+    """Prompt lookup with hindsight: each step drafts exactly the tokens of its proposal (k <=
+    k_max) that will be accepted, when that beats one plain pass, and nothing otherwise. No
+    policy can know this, so its speedup is the reference a policy is read against (it is
+    myopic, step by step, so not a proof of optimality)."""
+    out = StepTally()
+    rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
+    for rec in recordings:
+        ngram.begin(rec.prompt)
+        ctx, t = [*rec.prompt, rec.output[0]], 1
+        while t < len(rec.output):
+            k = min(k_max, len(rec.output) - t - 1)
+            drafted = ngram.propose(ctx, k, _GREEDY, rng).tokens[:k] if k else []
+            a = greedy_verify(drafted, np.asarray(rec.output[t : t + len(drafted) + 1])).accepted
+            if a and (a + 1) / pass_s(a + 1) <= 1 / pass_s(1):
+                a = 0  # even a full acceptance of the a would not repay the longer pass
+            step = StepStats(ngram.name if a else OFF, a, a, a, 0.0, pass_s(a + 1), (True,) * a)
+            out.add(step)
+            ctx += rec.output[t : t + a + 1]
+            t += a + 1
+    return out
+
+
 def compare(
     workloads: Mapping[str, Sequence[Recording]],
     make_controller: Callable[[NgramProposer], Controller],
@@ -89,10 +112,12 @@ def compare(
     fixed_k: Sequence[int] = (2, 4, 8),
     orders: Sequence[Sequence[str]] | None = None,
     ngram_n: tuple[int, int] = (2, 12),
+    oracle_k: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """Speedup over plain per workload for ngram at each fixed k, and for one auto controller
-    that sees the workloads in turn (per order: what it learnt on one carries to the next).
-    Returns {arm: {workload: speedup}}; auto's figure is its worst over the orders."""
+    """Speedup over plain per workload for ngram at each fixed k, for the oracle with drafts up
+    to oracle_k (0: left out), and for one auto controller that sees the workloads in turn (per
+    order: what it learnt on one carries to the next). Returns {arm: {workload: speedup}};
+    auto's figure is its worst over the orders."""
     def speed(recs: Sequence[Recording], policy: SpeculationPolicy, ngram: NgramProposer) -> float:
         return rate(replay(recs, policy, ngram, pass_s))
 
@@ -102,6 +127,8 @@ def compare(
 
     plain = {w: fixed(r, 0) for w, r in workloads.items()}
     table = {f"ngram k={k}": {w: fixed(r, k) / plain[w] for w, r in workloads.items()} for k in fixed_k}
+    if oracle_k:
+        table["oracle"] = {w: rate(oracle(r, NgramProposer(*ngram_n), pass_s, oracle_k)) / plain[w] for w, r in workloads.items()}
     names = list(workloads)
     orders = orders or [names[i:] + names[:i] for i in range(len(names))]  # each workload once first
     auto: dict[str, float] = {}

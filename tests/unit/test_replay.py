@@ -12,7 +12,7 @@ from homespec.config import ControllerConfig
 from homespec.speculation.controller import Controller
 from homespec.speculation.engine import FixedPolicy
 from homespec.speculation.proposers.ngram import NgramProposer
-from homespec.speculation.replay import Recording, compare, load_recordings, pass_cost, replay
+from homespec.speculation.replay import Recording, compare, load_recordings, oracle, pass_cost, replay
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 K_MAX = 16
@@ -75,3 +75,20 @@ def test_on_a_gpu_like_flat_cost_auto_speculates_everywhere_and_keeps_up_with_th
     for w in recorded:
         best = max(row[w] for row in table.values())
         assert auto[w] > 1.05 and auto[w] >= 0.95 * best, f"{w}: auto {auto[w]:.3f}x, best fixed {best:.3f}x"
+
+
+def test_the_oracle_takes_a_copy_of_the_prompt_in_one_step_and_new_text_one_token_at_a_time():
+    text = list(range(10, 40))
+    copy = Recording(prompt=[1, *text, 2], output=text)
+    fresh = Recording(prompt=[1, 2, 3], output=list(range(50, 80)))
+    step = lambda n: 0.1 + 0.01 * n  # noqa: E731  # seconds: nearly flat, so whole copies pay
+    r = oracle([copy], NgramProposer(2, 4), step, k_max=len(text))
+    assert r.emitted == len(text) - 1 and r.steps == 2 and r.accepted == len(text) - 3  # the first lookups need 2 tokens
+    r = oracle([fresh], NgramProposer(2, 4), step, k_max=16)
+    assert r.by_choice == {"off:0": len(fresh.output) - 1}
+
+
+def test_the_oracle_drafts_nothing_where_a_pass_costs_its_tokens_decoded_one_by_one():
+    text = list(range(10, 40))
+    r = oracle([Recording(prompt=[1, *text, 2], output=text)], NgramProposer(2, 4), lambda n: 0.1 * n, k_max=16)
+    assert r.proposed == 0 and r.emitted == len(text) - 1
