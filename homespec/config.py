@@ -95,9 +95,9 @@ class RuntimeConfig(_Strict):
     # Without it the AVX2 EPYC ran 8-12-row verify passes 9-20 % faster but prefill 1-10 % and
     # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
     tiled_matmul: bool = Field(True, description="ggml's tiled matmul for passes of 8+ tokens (GGML_CPU_TILED_MM overrides)")
-    # Off by default: it gives up repacked weights, long drafts and parallel requests
-    # (Config.k_limit, Config.parallel); the default mode keeps greedy output equal to plain
-    # decoding except at near-ties (DESIGN.md).
+    # Off by default: it gives up repacked weights, long drafts and wide passes of several
+    # requests (Config.k_limit, Config.max_pass_rows); the default mode keeps greedy output equal
+    # to plain decoding except at near-ties (DESIGN.md).
     exact: bool = Field(False, description="Batch-invariant kernels: greedy output with speculation equals plain decoding bit for bit")
 
     @model_validator(mode="after")
@@ -278,10 +278,9 @@ class Config(_Strict):
         return min(k, EXACT_MAX_ROWS - 1) if self.runtime.exact else k
 
     @property
-    def parallel(self) -> int:
-        """Requests decoded together. Exact mode decodes one at a time: several requests in one
-        pass would make it 8 rows or more."""
-        return 1 if self.runtime.exact else self.server.parallel
+    def max_pass_rows(self) -> int | None:
+        """Rows one target pass of decode steps may hold, all requests together; None: n_batch."""
+        return EXACT_MAX_ROWS if self.runtime.exact else None
 
     def resolve(self, p: Path) -> Path:
         """A config path made absolute against the config file's folder."""

@@ -23,6 +23,15 @@ With repacking off, flash attention on, a q8_0 KV cache and passes below TILED_M
 are bitwise equal for every batch size measured (2..9 rows, 3 prompts of ~300 tokens, 12
 positions each: max |Δlogit| 0.0 against 0.34-0.67 by default). That is `runtime.exact`.
 
+Several sequences in one pass keep this, on one more condition: flash attention walks a
+sequence's KV cells in cell order, skipping other sequences' (masked) cells, so the cells must
+lie in position order. In llama.cpp's unified cache they need not: a sequence that grows into
+cells another one freed puts its newest tokens before its oldest, and its rows then differed by
+up to 0.44 from the same rows with the cells in order. With a KV stream per sequence (kv_unified
+off) the rows of a sequence were bitwise equal alone and beside 1-3 other sequences' rows, in
+every fill order tried, fragmented included. Prompt chunks go in passes of their own, cut as a
+lone request's are (n_batch tokens): a chunk beside decode rows would make 8+ rows.
+
 The tiled matmul is also a speed question. Turned off, on the AVX2 EPYC (2 threads, repacked
 weights, interleaved processes, medians of 3 rounds), target passes of 8 to 12 rows took 9-20 %
 less time (9 rows: 310 against 372 ms; 13 to 17 rows: 0-10 %), but prefill took 1-10 % more

@@ -22,7 +22,9 @@ of all sequences, so an idle history in another slot costs a lone request's pass
 host empties idle slots when it runs alone). A stream per sequence (llama-server's `-np N`) was
 measured too: single passes of mixed shapes ran 0-18 % faster, yet four streaming clients got
 fewer tokens/s from the daemon than with the unified cache in 7 of 7 interleaved rounds (two
-runs), so unified stays. Each slot may hold n_ctx tokens; the buffer holds n_ctx x n_seq.
+runs), so unified stays, except in exact mode: there a sequence's cells must stay in position
+order, and in a shared buffer a sequence that grows into cells another freed does not (kernels.py).
+Each slot may hold n_ctx tokens; the buffer holds n_ctx x n_seq.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class RuntimeOptions:
     # llama.cpp's repacked weight layouts (use_extra_bufts); off for batch-invariant rows (kernels.py)
     repack: bool = True
     kv_type: Literal["f16", "q8_0"] = "f16"  # KV cache element type (q8_0: kernels.py, exact mode)
+    # One buffer for all sequences (module docstring); False: a stream per sequence, whose cells
+    # stay in position order whatever the others do (exact mode with several requests, kernels.py).
+    kv_unified: bool = True
     # ggml's tiled matmul for passes of 8+ rows: True/False, None = llama.cpp's default. One
     # setting per process: the first Runtime's wins (kernels.fix_tiled_matmul).
     tiled_matmul: bool | None = None
@@ -165,7 +170,7 @@ class Runtime:
         cp.n_batch = opts.n_batch
         cp.n_ubatch = opts.n_batch
         cp.n_seq_max = opts.n_seq
-        cp.kv_unified = True  # one buffer for all sequences (module docstring)
+        cp.kv_unified = opts.kv_unified
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.embeddings = opts.embeddings
@@ -323,6 +328,11 @@ class Runtime:
     @property
     def n_seq(self) -> int:
         return len(self._slots)
+
+    @property
+    def shares_cells(self) -> bool:
+        """Whether a slot can borrow another's prefix (Slot.share_prefix): one unified buffer."""
+        return self.opts.kv_unified
 
     @property
     def n_batch(self) -> int:
@@ -648,6 +658,8 @@ class Slot:
         compute, no extra memory; truncating either sequence later leaves the other's intact."""
         if src.rt is not self.rt or src is self or not 0 <= n <= len(src.tokens):
             raise ValueError(f"share_prefix: {n} positions of a slot holding {len(src.tokens)}")
+        if not self.rt.shares_cells:  # across streams llama.cpp copies whole buffers only (it aborts)
+            raise ValueError("share_prefix: sequences in streams of their own share no cells")
         self.reset()
         llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)
         self.tokens[:] = src.tokens[:n]  # in place: Runtime.tokens is slot 0's list

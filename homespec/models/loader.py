@@ -127,6 +127,7 @@ def runtime_options(
         # Exact mode: the settings under which a row's logits do not depend on its batch.
         repack=not r.exact,
         kv_type=r.kv_type,
+        kv_unified=not r.exact,  # exact mode: a stream per sequence (kernels.py)
         tiled_matmul=r.tiled_matmul,
     )
 

@@ -126,7 +126,7 @@ class Daemon:
         self.live = LiveStats()
         self.metrics = Metrics()
         self.footprints: tuple[Any, Any] = (None, None)  # (target, draft) memory.Footprint at the planned n_ctx
-        self.slots = cfg.parallel  # KV sequences the plan found room for
+        self.slots = cfg.server.parallel  # KV sequences the plan found room for
         self.load_s: float | None = None
         self.warmup_s: float | None = None
         # The target's chat template, kept from the last load (the model may be unloaded after
@@ -224,8 +224,8 @@ class Daemon:
             # worker has not popped yet is about to run, so whether it still sits in the queue
             # (a thread-scheduling race) must not decide between 200 and 429.
             in_system = len(self._queue) + len(self._active) + len(self._starting)
-            if in_system >= self.cfg.server.queue_depth + self.cfg.parallel:
-                raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1) / self.cfg.parallel)
+            if in_system >= self.cfg.server.queue_depth + self.cfg.server.parallel:
+                raise QueueFull(retry_after_s=self._mean_request_s * (len(self._queue) + 1) / self.cfg.server.parallel)
             job.on_cancel = self._withdraw
             self._queue.append(job)
             self.metrics.queue_waiting.set(len(self._queue))
@@ -299,7 +299,7 @@ class Daemon:
     def parallel(self) -> int:
         """Requests that may generate together now (one until the models are loaded)."""
         session = self.session
-        return min(self.cfg.parallel, session.slots) if session is not None else 1
+        return min(self.cfg.server.parallel, session.slots) if session is not None else 1
 
     def running_view(self) -> list[RunningRequest]:
         """The running set, for /v1/homespec/stats (read from the HTTP thread)."""
@@ -387,7 +387,7 @@ class Daemon:
         # are, then one slot under memory.policy (shrink the context, drop the draft, refuse).
         headroom = read_headroom()
         as_configured = cfg.memory.model_copy(update={"policy": "refuse"})
-        for slots in range(cfg.parallel, 0, -1):
+        for slots in range(cfg.server.parallel, 0, -1):
             def at_slots(n_ctx: int, slots: int = slots) -> tuple[Any, Any]:
                 return at(n_ctx * slots)
 
@@ -395,8 +395,8 @@ class Daemon:
             if plan.decision != "refuse":
                 break
         plan.require()
-        if slots < cfg.parallel:
-            log.warning("memory: %d of server.parallel %d requests can decode at once", slots, cfg.parallel)
+        if slots < cfg.server.parallel:
+            log.warning("memory: %d of server.parallel %d requests can decode at once", slots, cfg.server.parallel)
         self.slots = slots
         self.footprints = at_slots(plan.n_ctx)
         return plan

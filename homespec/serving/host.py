@@ -209,7 +209,8 @@ class Host:
         """Prefix reuse: the best saved conversation goes live; or, with reuse off, start cold."""
         if self.prefix_cache is not None:
             target = self.models.target
-            peers = [target.slot(i) for i in range(self.slots) if i != slot]
+            # Sequences in streams of their own (exact mode) share no cells.
+            peers = [target.slot(i) for i in range(self.slots) if i != slot] if target.shares_cells else []
             self.prefix_cache.prepare(target.slot(slot), tokens, peers)
             return
         self._empty(slot)
@@ -262,7 +263,7 @@ class Host:
 
     def batch(self, prefill_chunk: int) -> Batch:
         """A driver for generations running together on this target."""
-        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk)
+        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk, self.cfg.max_pass_rows)
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:
@@ -305,7 +306,8 @@ class Host:
         except KeyError as e:  # a fixed mode whose proposer this slot lacks (the MTP head: slot 0)
             raise UnknownMode(f"speculation mode {str(mode)!r} is not available while other requests run ({e.args[0]})") from None
         target = self.models.target
-        grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab) if req.grammar else None
+        # Jump-forward tokens are drafts too: no longer than the longest verify pass allowed.
+        grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab, self.cfg.k_limit) if req.grammar else None
         self._prepare_cache(tokens, slot)
         return {"policy": policy, "grammar": grammar, "logprobs": req.logprobs}
 

@@ -11,6 +11,12 @@ beside the running decodes: a 500-token prompt takes ~12 s to read on 2 cores, a
 would stall every other request for that long. Each generation is told, with every event, how many
 rows the others brought to the last pass (`alongside`), so its policy prices its own draft at what
 it adds to the shared pass rather than at a pass of its own (controller.py).
+
+Narrow passes (`max_rows`, exact mode): a row's logits are the same in any pass below ggml's
+tiled-matmul threshold (llama/kernels.py), so decode steps share a pass only up to max_rows rows
+together, those that waited longest first, and a prompt is read in passes of its own, cut at
+n_batch as a lone request's prompt is, taking turns with the decode rounds. Every request then
+computes exactly the rows it would compute alone.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class _Running:
     order: int  # admission order: among equal priorities, the older request's prompt goes first
     pending: Pass | None = None
     done: int = 0  # tokens of `pending` already evaluated (a prompt read in chunks)
+    waited: int = 0  # rounds its decode step was left out of (narrow passes)
     rows: list[np.ndarray] = field(default_factory=list)  # logits of those chunks (output "all")
 
 
@@ -53,10 +60,12 @@ class RoundStats:
 class Batch:
     """The running generations of one target; not thread-safe (the daemon's worker drives it)."""
 
-    def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int) -> None:
+    def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int, max_rows: int | None = None) -> None:
         self.eval_many = eval_many
         self.n_batch = n_batch  # tokens per llama_decode at most
         self.prefill_chunk = prefill_chunk  # prompt tokens per round at most (all prompts together)
+        self.max_rows = max_rows  # decode rows per pass at most, prompts in passes of their own; None: wide
+        self._read_last = False  # narrow passes: the last round read a prompt (decodes go next)
         self._running: dict[Hashable, _Running] = {}
         self._admitted = 0
         self.last: RoundStats | None = None
@@ -142,6 +151,8 @@ class Batch:
             urgent = reading[0].priority
             decoding = [r for r in decoding if r.priority >= urgent]
             reading = [r for r in reading if r.priority == urgent]
+        if self.max_rows is not None:
+            return self._pack_narrow(decoding, reading, self.max_rows)
         parts: list[tuple[_Running, list[int], Output]] = []
         room = self.n_batch
         for r in decoding:
@@ -165,6 +176,34 @@ class Batch:
             last = r.done + len(toks) == len(p.tokens)
             parts.append((r, toks, p.output if (last or p.output == "all") else "none"))
             chunk -= len(toks)
+        return parts
+
+    def _pack_narrow(
+        self, decoding: list[_Running], reading: list[_Running], max_rows: int
+    ) -> list[tuple[_Running, list[int], Output]]:
+        """Narrow passes (module docstring): a prompt chunk alone, or decode steps of at most
+        max_rows rows together (a longer step, when it waited longest, alone)."""
+        if reading and (not decoding or not self._read_last):
+            self._read_last = True
+            r = reading[0]
+            p = r.pending
+            assert p is not None
+            # Alone: the whole prompt in one eval, as run_alone; else n_batch, as Runtime.eval cuts it.
+            toks = p.tokens[r.done : r.done + self.n_batch] if decoding else p.tokens[r.done :]
+            last = r.done + len(toks) == len(p.tokens)
+            return [(r, toks, p.output if (last or p.output == "all") else "none")]
+        self._read_last = False
+        parts: list[tuple[_Running, list[int], Output]] = []
+        rows = 0
+        for r in sorted(decoding, key=lambda r: (-r.waited, r.order)):
+            p = r.pending
+            assert p is not None
+            if parts and rows + len(p.tokens) > max_rows:
+                r.waited += 1
+                continue
+            parts.append((r, p.tokens, p.output))
+            rows += len(p.tokens)
+            r.waited = 0
         return parts
 
     def _advance(self, r: _Running, reply: np.ndarray | None, deliver: Deliver, alongside: int = 0) -> None:

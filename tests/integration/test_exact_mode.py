@@ -4,6 +4,7 @@ exemption (llama/kernels.py says which llama.cpp paths break this by default and
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from homespec.config import Config
@@ -12,10 +13,12 @@ from homespec.llama.kernels import EXACT_MAX_ROWS
 from homespec.llama.runtime import Runtime
 from homespec.models.loader import runtime_options
 from homespec.serving.daemon import Daemon
+from homespec.speculation.batch import Batch
+from homespec.speculation.constraints import json_schema_grammar
 from homespec.speculation.engine import Engine, FixedPolicy
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
-from tests.conftest import TARGET, require
+from tests.conftest import DRAFT, TARGET, require
 from tests.integration.exactness import batch_noise, encode
 
 # A context past 256 tokens makes llama.cpp's one-token passes span 512 KV cells, where an f16
@@ -86,6 +89,13 @@ def test_an_exact_mode_host_verifies_at_most_seven_rows_a_pass_and_matches_plain
         spec = [t for ev in gen for t in ev.tokens]
         assert gen.stats.proposed > 0 and max(rows) == EXACT_MAX_ROWS  # the copy drafts as far as allowed
         assert spec == plain
+        # A grammar's jump-forward tokens are drafts too: a long forced run is cut to fit.
+        schema = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"}},
+                  "required": ["a_rather_long_property_name"]}
+        rows.clear()
+        ask = s.models.encode_chat([{"role": "user", "content": "Give me a JSON object."}])
+        list(s.generate(ask, GenerationRequest(max_tokens=24, mode="off", grammar=json_schema_grammar(schema))))
+        assert max(rows) == EXACT_MAX_ROWS
 
 
 @pytest.mark.integration
@@ -105,13 +115,84 @@ def test_the_memory_plan_counts_exact_modes_q8_0_cache_at_the_bytes_llama_cpp_ke
 @pytest.mark.integration
 def test_the_daemons_memory_plan_gives_exact_mode_the_smaller_q8_0_cache():
     require(TARGET)
-    kv = {}
-    for exact in (False, True):
+    info = read_gguf_info(TARGET)
+    for exact, kv_type in ((False, "f16"), (True, "q8_0")):
         cfg = Config()
         cfg.runtime.exact = exact
         d = Daemon(cfg)
         d._plan()  # GGUF headers only: no weights are loaded
-        kv[exact] = d.footprints[0].kv  # bytes
-    cells = Config().runtime.n_ctx  # one slot in exact mode; the default's 4096 is a multiple of 256
-    assert kv[True] == cells * read_gguf_info(TARGET).kv_bytes_per_token("q8_0")
-    assert kv[False] >= 1.8 * kv[True]  # f16 per slot, and the default's parallel slots
+        cells = d.slots * cfg.runtime.n_ctx  # every slot's sequence; 4096 is a multiple of 256
+        assert d.footprints[0].kv == cells * info.kv_bytes_per_token(kv_type), kv_type  # bytes
+
+
+@pytest.fixture(scope="module")
+def exact_slots():
+    cfg = Config()
+    cfg.runtime.exact = True
+    cfg.runtime.n_batch = 64  # prompts longer than this are read in chunks, between decode rounds
+    target = Runtime(require(TARGET), runtime_options(cfg, 0, n_ctx=768, slots=4))
+    draft = Runtime(require(DRAFT), runtime_options(cfg, 0, n_ctx=768, slots=4, draft=True))
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+@pytest.mark.integration
+def test_in_exact_mode_requests_decoded_together_return_their_lone_plain_decoding_bit_for_bit(exact_slots):
+    rt, draft = exact_slots
+    texts = [PROMPTS[0], LONG, PROMPTS[1], "Explain what a hash map is in two sentences."]
+    prompts = [encode(rt, t) for t in texts]
+    alone = []
+    for p in prompts:
+        for i in range(4):
+            rt.slot(i).reset()
+        alone.append([t for ev in Engine(rt).generate(p, max_tokens=40, policy=FixedPolicy()) for t in ev.tokens])
+    for i in range(4):
+        rt.slot(i).reset()
+    decode_rows: list[int] = []
+
+    def counted(parts):
+        if all(output == "all" for _, _, output in parts):
+            decode_rows.append(sum(len(toks) for _, toks, _ in parts))
+        return rt.eval_many(parts)
+
+    policies = [  # a different proposer per request, k = 0 included
+        FixedPolicy(DraftProposer(draft.slot(0), rt.n_vocab), 4),
+        FixedPolicy(),
+        FixedPolicy(NgramProposer(2, 12), EXACT_MAX_ROWS - 1),
+        FixedPolicy(DraftProposer(draft.slot(3), rt.n_vocab), 2),
+    ]
+    batch = Batch(counted, n_batch=rt.n_batch, prefill_chunk=32, max_rows=EXACT_MAX_ROWS)
+    out: dict[int, list[int]] = {i: [] for i in range(4)}
+    for i, p in enumerate(prompts):
+        draft.slot(i).reset()
+        for ev in batch.add(i, Engine(rt.slot(i)).steps(p, max_tokens=40, policy=policies[i])):
+            out[i] += ev.tokens
+    while len(batch):
+        batch.step(lambda key, ev: out[int(key)].extend(ev.tokens))  # type: ignore[call-overload]
+    assert len(decode_rows) >= 10 and max(decode_rows) <= EXACT_MAX_ROWS  # shared passes, all narrow
+    assert [out[i] for i in range(4)] == alone  # no near-tie exemption
+
+
+@pytest.mark.integration
+def test_in_exact_mode_a_sequence_that_grows_into_cells_another_freed_computes_its_rows_as_alone(exact_slots):
+    rt, _ = exact_slots
+    toks = encode(rt, LONG)
+    prompt, following, other = toks[:250], toks[250:253], toks[:200]
+
+    def clear() -> None:
+        for i in range(4):
+            rt.slot(i).reset()
+
+    clear()
+    rt.slot(0).eval(prompt, "last")
+    alone = rt.slot(0).eval(following, "all").copy()  # [3, vocab]
+    clear()
+    rt.slot(1).eval(other, "last")  # in a shared buffer: the first cells
+    rt.slot(0).eval(prompt, "last")  # after them
+    rt.slot(1).reset()  # frees the first cells ...
+    rt.slot(2).eval(other[:50], "last")
+    beside = rt.eval_many([(rt.slot(0), following, "all"), (rt.slot(2), other[50:51], "all")])[0]
+    clear()
+    # ... where slot 0's next tokens land, before its prompt's: in one unified buffer 0.66 apart.
+    assert float(np.abs(beside - alone).max()) == 0.0

@@ -36,6 +36,7 @@ class FakeRuntime:
         self._slots: list[FakeRuntime] = [self] + [FakeSlot(self, i) for i in range(1, n_seq)]
         self.passes: list[list[tuple[int, int]]] = []  # eval_many calls: [(seq, tokens)] per pass
         self.rt = self  # the runtime whose cache this sequence is in (FakeSlot: its owner)
+        self.shares_cells = True  # Runtime.shares_cells: one unified KV buffer
 
     def slot(self, i: int) -> FakeRuntime:
         """KV sequence i: slot 0 is this runtime itself, as in Runtime."""

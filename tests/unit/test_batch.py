@@ -274,3 +274,42 @@ def test_the_rows_beside_a_request_count_other_decodes_not_prompt_chunks() -> No
     round_events(batch)
     assert a.alongside[-1] == 1  # the 32 prompt rows beside it are not counted
     assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost
+
+
+def test_narrow_passes_hold_few_decode_rows_read_prompts_alone_and_change_no_request_output() -> None:
+    rt, draft = FakeRuntime(n_seq=4), FakeRuntime(n_seq=4)
+    want = [alone(p, policies(FakeRuntime(), FakeRuntime(), 0)[i], max_tokens=30) for i, p in enumerate(PROMPTS)]
+    batch = Batch(rt.eval_many, n_batch=8, prefill_chunk=64, max_rows=5)
+    out: dict[Hashable, list[Event]] = {i: [] for i in range(4)}
+    for i, p in enumerate(PROMPTS):
+        out[i] += batch.add(i, Engine(rt.slot(i)).steps(p, max_tokens=30, policy=policies(rt, draft, i)[i]))
+    rounds = []
+    while len(batch):
+        for key, ev in round_events(batch):
+            out[key].append(ev)
+        rounds.append(batch.last)
+    assert [tokens(out[i]) for i in range(4)] == want
+    for r in rounds:
+        if r.prefill_rows:  # a prompt alone: n_batch at most beside waiting decodes, else whole, as alone
+            assert r.sequences == 1 and r.rows == r.prefill_rows and (r.rows <= 8 or r.rows in map(len, PROMPTS)), r
+        else:
+            assert r.rows <= 5, r
+    assert max(r.sequences for r in rounds if not r.prefill_rows) >= 2  # decode steps still share passes
+    assert any(r.prefill_rows == 8 for r in rounds)  # a prompt cut at n_batch while others decoded
+
+
+def test_in_narrow_passes_steps_too_wide_to_share_take_turns() -> None:
+    rt, draft = FakeRuntime(n_seq=2), FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64, max_rows=6)
+    passes: list[int] = []  # the sequence of each one-request pass of [last] + 4 drafts
+    for i in range(2):
+        slot = rt.slot(i)
+        slot.eval = lambda toks, out="all", slot=slot: (passes.append(slot.seq) if len(toks) == 5 else None,
+                                                        FakeRuntime.eval(slot, toks, out))[1]
+        policy = FixedPolicy(DraftProposer(draft.slot(i), rt.n_vocab), 4)  # a draft model always drafts all 4
+        batch.add(i, Engine(slot).steps(PROMPTS[i], max_tokens=40, policy=policy))
+    while len(batch):
+        round_events(batch)
+    assert passes[:2] == [0, 0]  # request 1's prompt was read between them
+    both = passes[1 : len(passes) - passes[::-1].index(0)]  # until request 0's last step
+    assert len(both) >= 6 and all(a != b for a, b in zip(both, both[1:]))  # they alternate: neither starves

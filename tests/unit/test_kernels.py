@@ -39,23 +39,23 @@ def test_a_setting_the_user_exported_wins_read_as_c_atoi_reads_it(fresh_process,
     assert kernels.fix_tiled_matmul(not on) is on
 
 
-def test_exact_mode_keeps_every_pass_below_the_tiled_threshold_and_decodes_one_request_at_a_time():
+def test_exact_mode_keeps_every_pass_below_the_tiled_threshold_all_requests_together():
     cfg = Config()
-    assert (cfg.k_limit, cfg.parallel) == (cfg.speculation.k_max, cfg.server.parallel)
+    assert (cfg.k_limit, cfg.max_pass_rows) == (cfg.speculation.k_max, None)
     cfg.runtime.exact = True
     assert cfg.k_limit + 1 == EXACT_MAX_ROWS < TILED_MIN_ROWS  # the verify pass: last token + k
-    assert cfg.parallel == 1
+    assert cfg.max_pass_rows == EXACT_MAX_ROWS  # several requests' steps in one pass
     cfg.speculation.k_max = 3
     assert cfg.k_limit == 3
 
 
-def test_exact_mode_loads_the_target_unpacked_with_flash_attention_and_a_q8_kv_cache():
+def test_exact_mode_loads_the_target_unpacked_with_flash_attention_a_q8_kv_cache_and_a_stream_per_sequence():
     cfg = Config()
     default = runtime_options(cfg, 0)
-    assert (default.repack, default.kv_type, default.flash_attn) == (True, "f16", False)
+    assert (default.repack, default.kv_type, default.flash_attn, default.kv_unified) == (True, "f16", False, True)
     cfg.runtime.exact = True
     exact = runtime_options(cfg, 0)
-    assert (exact.repack, exact.kv_type, exact.flash_attn) == (False, "q8_0", True)
+    assert (exact.repack, exact.kv_type, exact.flash_attn, exact.kv_unified) == (False, "q8_0", True, False)
     # A proposal is verified exactly whatever computed it: the draft model keeps the fast kernels.
     draft = runtime_options(cfg, 0, draft=True)
-    assert (draft.repack, draft.kv_type, draft.flash_attn) == (True, "f16", False)
+    assert (draft.repack, draft.kv_type, draft.flash_attn, draft.kv_unified) == (True, "f16", False, True)
