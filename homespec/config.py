@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from homespec.errors import UserError
+from homespec.llama.gguf_info import KvType
 from homespec.llama.kernels import EXACT_KV_TYPE, EXACT_MAX_ROWS
 
 
@@ -107,9 +108,15 @@ class RuntimeConfig(_Strict):
         return self
 
     @property
-    def kv_type(self) -> Literal["f16", "q8_0"]:
+    def kv_type(self) -> KvType:
         """The target's KV-cache element type: f16, llama.cpp's default, except in exact mode."""
         return EXACT_KV_TYPE if self.exact else "f16"
+
+    @property
+    def kv_unified(self) -> bool:
+        """One KV buffer for all slots, except in exact mode: there a stream per slot keeps each
+        sequence's cells in position order (llama/kernels.py)."""
+        return not self.exact
 
     def flash_attn_for(self, n_gpu_layers: int) -> bool | None:
         """True/False to force it, None to leave the choice to llama.cpp."""
@@ -158,7 +165,7 @@ class SpeculationConfig(_Strict):
     k: int = Field(4, ge=0, le=64, description="Draft length in the fixed modes (0 = off)")
     # 16: a pass over 17 tokens costs ~9x one pass on a 2-core CPU; longer drafts only pay with
     # near-perfect copying. GPUs, with flat verify cost, can raise it.
-    k_max: int = Field(16, ge=1, le=64, description="Largest k the controller may choose")
+    k_max: int = Field(16, ge=1, le=64, description="Largest k the controller may choose, and the longest grammar jump-forward")
     ngram: NgramConfig = NgramConfig()
     controller: ControllerConfig = ControllerConfig()
 
@@ -195,7 +202,7 @@ class ServerConfig(_Strict):
     # 64 prompt tokens take ~1.5 s on 2 cores: a new prompt is read in such chunks between the
     # running requests' steps, so it does not stall them for the whole prefill (a request alone
     # reads its prompt in runtime.n_batch chunks).
-    prefill_chunk: int = Field(64, ge=1, le=4096, description="Prompt tokens read per step beside running requests")
+    prefill_chunk: int = Field(64, ge=1, le=4096, description="Prompt tokens read per step beside running requests (exact mode: n_batch, alone)")
     request_timeout_s: float = Field(600, gt=0, description="Per-request wall-clock limit")
     # 4 MiB: far above any chat history that fits n_ctx, small enough to refuse abuse.
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)

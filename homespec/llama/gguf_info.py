@@ -16,10 +16,11 @@ import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from homespec.errors import IncompatibleTokenizer, ModelError
 
+KvType = Literal["f16", "q8_0"]  # the KV-cache element types homespec uses (llama/runtime.py)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32  # bytes; general.alignment when absent (GGUF spec)
 # llama.cpp's speculative example (common/speculative.cpp) allows this much padding difference:
@@ -69,12 +70,12 @@ class GGUFInfo:
     token_embd_bytes: int | None = None  # bytes of token_embd.weight; None when the file has none
     output_bytes: int | None = None  # bytes of output.weight; 0 when tied to token_embd (absent)
 
-    def kv_bytes_per_token(self, kv_type: str = "f16") -> int:
+    def kv_bytes_per_token(self, kv_type: KvType = "f16") -> int:
         """KV-cache bytes one token costs: K and V, all layers, in the cache's element type."""
         return kv_bytes_per_token(self.n_layer, self.n_head_kv * self.head_dim_k, self.n_head_kv * self.head_dim_v, kv_type)
 
 
-def kv_bytes_per_token(n_layer: int, k_width: int, v_width: int, kv_type: str = "f16") -> int:
+def kv_bytes_per_token(n_layer: int, k_width: int, v_width: int, kv_type: KvType = "f16") -> int:
     """Bytes of one token's K row (k_width elements) and V row, over n_layer layers, as llama.cpp
     stores them in a `kv_type` cache ("f16", "q8_0": ggml's block sizes, e.g. 34 bytes per 32)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # deferred: importing gguf costs ~0.1 s

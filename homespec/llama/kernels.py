@@ -27,9 +27,10 @@ Several sequences in one pass keep this, on one more condition: flash attention 
 sequence's KV cells in cell order, skipping other sequences' (masked) cells, so the cells must
 lie in position order. In llama.cpp's unified cache they need not: a sequence that grows into
 cells another one freed puts its newest tokens before its oldest, and its rows then differed by
-up to 0.44 from the same rows with the cells in order. With a KV stream per sequence (kv_unified
+0.44-0.66 from the same rows with the cells in order. With a KV stream per sequence (kv_unified
 off) the rows of a sequence were bitwise equal alone and beside 1-3 other sequences' rows, in
-every fill order tried, fragmented included. Prompt chunks go in passes of their own, cut as a
+the three fill orders and the fragmented case a script tried (tests/integration/test_exact_mode.py
+keeps the fragmented case). Prompt chunks go in passes of their own, cut as a
 lone request's are (n_batch tokens): a chunk beside decode rows would make 8+ rows.
 
 The tiled matmul is also a speed question. Turned off, on the AVX2 EPYC (2 threads, repacked
@@ -48,13 +49,14 @@ from __future__ import annotations
 import os
 import re
 import threading
+from typing import Final
 
 TILED_ENV = "GGML_CPU_TILED_MM"  # ggml-cpu/tiled/tiled.cpp: "0" turns the tiled matmul off
 TILED_MIN_ROWS = 8  # tiled.cpp ggml_tiled_min_batch: passes of this many rows or more take it
 # Exact mode verifies at most this many rows a pass (k <= EXACT_MAX_ROWS - 1), so the tiled
 # matmul, whether on or off, never computes a decode row.
 EXACT_MAX_ROWS = TILED_MIN_ROWS - 1
-EXACT_KV_TYPE = "q8_0"  # no split-KV softmax for one-token passes (f16/f32 caches only)
+EXACT_KV_TYPE: Final = "q8_0"  # no split-KV softmax for one-token passes (f16/f32 caches only)
 
 _lock = threading.Lock()
 _fixed: bool | None = None  # what this process set, once

@@ -44,6 +44,7 @@ import numpy as np
 from homespec.errors import ModelError
 from homespec.llama.cpu_build import require_matching_build
 from homespec.llama.fim import FimTokens
+from homespec.llama.gguf_info import KvType
 from homespec.llama.kernels import fix_tiled_matmul
 from homespec.tokens import common_prefix
 
@@ -119,7 +120,7 @@ class RuntimeOptions:
     n_seq: int = 1
     # llama.cpp's repacked weight layouts (use_extra_bufts); off for batch-invariant rows (kernels.py)
     repack: bool = True
-    kv_type: Literal["f16", "q8_0"] = "f16"  # KV cache element type (q8_0: kernels.py, exact mode)
+    kv_type: KvType = "f16"  # KV cache element type (q8_0: kernels.py, exact mode)
     # One buffer for all sequences (module docstring); False: a stream per sequence, whose cells
     # stay in position order whatever the others do (exact mode with several requests, kernels.py).
     kv_unified: bool = True
@@ -342,7 +343,21 @@ class Runtime:
     def eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]]) -> list[np.ndarray]:
         """One llama_decode over tokens of several slots: appends each part's tokens to its
         slot; returns each part's logits ([n_out, vocab], as `eval`). The parts name distinct
-        slots and hold at most n_batch tokens together (the caller chunks a long prefill)."""
+        slots and hold at most n_batch tokens together (the caller chunks a long prefill).
+
+        With a stream per sequence (kv_unified off) llama.cpp splits the pass into one graph per
+        run of consecutive sequence ids, taking the same number of tokens from each
+        (llama_batch_allocr::split_equal): the parts go in by slot number, so neighbours share."""
+        if self.shares_cells:
+            return self._eval_many(parts)
+        order = sorted(range(len(parts)), key=lambda i: parts[i][0].seq)
+        outs = self._eval_many([parts[i] for i in order])
+        back: list[np.ndarray] = [outs[0]] * len(parts) if parts else []
+        for j, i in enumerate(order):
+            back[i] = outs[j]
+        return back
+
+    def _eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]]) -> list[np.ndarray]:
         n = sum(len(toks) for _, toks, _ in parts)
         if n > self.opts.n_batch:
             raise ValueError(f"{n} tokens in one pass; n_batch is {self.opts.n_batch}")

@@ -127,7 +127,7 @@ def runtime_options(
         # Exact mode: the settings under which a row's logits do not depend on its batch.
         repack=not r.exact,
         kv_type=r.kv_type,
-        kv_unified=not r.exact,  # exact mode: a stream per sequence (kernels.py)
+        kv_unified=r.kv_unified,
         tiled_matmul=r.tiled_matmul,
     )
 

@@ -35,7 +35,7 @@ from homespec.errors import UserError
 
 if TYPE_CHECKING:
     from homespec.config import MemoryConfig
-    from homespec.llama.gguf_info import GGUFInfo
+    from homespec.llama.gguf_info import GGUFInfo, KvType
 
 log = logging.getLogger("homespec.models.memory")
 
@@ -44,6 +44,15 @@ GiB = 1024**3  # bytes
 
 # llama.cpp rounds the KV cache up to a multiple of 256 cells (measured: n_ctx 1000 -> 1024 cells).
 KV_PAD = 256  # tokens
+
+
+def kv_cells(n_ctx: int, slots: int, unified: bool = True) -> int:
+    """KV cells llama.cpp allocates for `slots` sequences of n_ctx tokens (llama-context.cpp): the
+    total rounded up to KV_PAD, and with a stream per sequence each stream rounded up again."""
+    total = -(-n_ctx * slots // KV_PAD) * KV_PAD
+    if unified:
+        return total
+    return -(-(total // slots) // KV_PAD) * KV_PAD * slots
 # Logits rows the verify pass asks for: k + 1 with k <= speculation.k_max <= 64. llama.cpp grows
 # its host output buffer to the most rows ever requested in one batch and keeps it.
 VERIFY_OUTPUTS = 65  # rows
@@ -138,7 +147,7 @@ def estimate(
     n_ubatch: int | None = None,
     flash_attn: bool = True,
     n_outputs: int = VERIFY_OUTPUTS,
-    kv_type: str = "f16",
+    kv_type: KvType = "f16",
 ) -> Footprint:
     """Bytes `info`'s model needs at this context, as llama.cpp places it.
 
@@ -350,7 +359,7 @@ def pair_footprints(
     target_gpu_layers: int = 0,
     draft_gpu_layers: int = 0,
     flash_attn: bool = True,
-    target_kv_type: str = "f16",  # the draft's cache is always f16 (exact mode changes the target only)
+    target_kv_type: KvType = "f16",  # the draft's cache is always f16 (exact mode changes the target only)
     target_extra_ram: int = 0,  # bytes: what rides with the target in RAM (the MTP head)
 ) -> FootprintsAt:
     """The FootprintsAt plan_load wants, from GGUF metadata and the runtime settings."""

@@ -29,7 +29,7 @@ from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
 from homespec.models.fetch import resolve_model_path
 from homespec.models.loader import ModelSet
-from homespec.models.memory import LoadPlan, pair_footprints, plan_load, read_headroom
+from homespec.models.memory import LoadPlan, kv_cells, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
 from homespec.mtp.checkpoint import head_ram
 from homespec.serving.host import GenerationRequest, Host
@@ -389,7 +389,7 @@ class Daemon:
         as_configured = cfg.memory.model_copy(update={"policy": "refuse"})
         for slots in range(cfg.server.parallel, 0, -1):
             def at_slots(n_ctx: int, slots: int = slots) -> tuple[Any, Any]:
-                return at(n_ctx * slots)
+                return at(kv_cells(n_ctx, slots, cfg.runtime.kv_unified))
 
             plan = plan_load(at_slots, headroom, as_configured if slots > 1 else cfg.memory, n_ctx=cfg.runtime.n_ctx)
             if plan.decision != "refuse":

@@ -252,8 +252,8 @@ class Host:
         over all cells in use, though (7 % for a lone request beside three idle 1,500-token
         histories, runtime.py), so once at most one request runs, every idle slot but 0 hands its
         history to the prefix cache (~8 ms for 600 tokens) and empties. Slot 0 keeps its history:
-        a lone user's next turn finds it there."""
-        if len(busy) > 1:
+        a lone user's next turn finds it there. (Streams of their own, exact mode: no such cost.)"""
+        if len(busy) > 1 or not self.models.target.shares_cells:
             return
         for s in range(1, self.slots):
             if s not in busy and self.models.target.slot(s).tokens:

@@ -15,8 +15,12 @@ it adds to the shared pass rather than at a pass of its own (controller.py).
 Narrow passes (`max_rows`, exact mode): a row's logits are the same in any pass below ggml's
 tiled-matmul threshold (llama/kernels.py), so decode steps share a pass only up to max_rows rows
 together, those that waited longest first, and a prompt is read in passes of its own, cut at
-n_batch as a lone request's prompt is, taking turns with the decode rounds. Every request then
-computes exactly the rows it would compute alone.
+n_batch as a lone request's prompt is, taking turns with the decode rounds of its priority (a
+prompt of lower priority waits until no higher decode runs: a chunk of n_batch tokens holds the
+pass for seconds). Every request then computes exactly the rows it would compute alone. Exact
+mode keeps a KV stream per sequence, and llama.cpp runs such a pass as one graph per run of
+neighbouring slots with steps of equal length (runtime.py eval_many): its time is no measure of
+one pass of its rows, so it teaches the cost model nothing.
 """
 
 from __future__ import annotations
@@ -103,7 +107,8 @@ class Batch:
         return out
 
     def step(self, deliver: Deliver) -> None:
-        """One round: one target pass for every running generation. Each event goes to
+        """One round: one target pass for the running generations (all of them, but for narrow
+        passes and prompts of lower priority, `_pack`). Each event goes to
         deliver(key, event) as soon as its generation produces it: a first token does not wait
         for the drafts of the generations after it in the round, nor for its own proposers'
         prefill (engine.py). A generation that ended (its last event has a finish_reason) is
@@ -130,8 +135,9 @@ class Batch:
             if r.done < len(p.tokens):
                 continue  # more of the prompt next round
             # A pass that also read prompt chunks is not a verify pass of `rows` (a prompt row costs
-            # less and emits nothing): its time teaches the cost model nothing.
-            p.rows, p.seconds, p.timed = rows, seconds, not prefill
+            # less and emits nothing), nor is a narrow pass of several sequences (module docstring):
+            # their time teaches the cost model nothing.
+            p.rows, p.seconds, p.timed = rows, seconds, not prefill and (self.max_rows is None or len(parts) == 1)
             reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
             r.pending, r.done, r.rows = None, 0, []
             # The others' decode rows: each emits about a token (prompt rows emit none).
@@ -140,7 +146,7 @@ class Batch:
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and
-        oldest first, within prefill_chunk and n_batch. While a prompt of higher priority than
+        oldest first, within prefill_chunk and n_batch (narrow passes: `_pack_narrow`). While a prompt of higher priority than
         some running decodes is read, those decodes sit out: its first token comes as fast as on
         an idle daemon (a voice command beside long chat answers), at the cost of a round or two
         for them."""
@@ -183,6 +189,8 @@ class Batch:
     ) -> list[tuple[_Running, list[int], Output]]:
         """Narrow passes (module docstring): a prompt chunk alone, or decode steps of at most
         max_rows rows together (a longer step, when it waited longest, alone)."""
+        if reading and any(r.priority > reading[0].priority for r in decoding):
+            reading = []  # a higher request decodes: this prompt waits for it to end
         if reading and (not decoding or not self._read_last):
             self._read_last = True
             r = reading[0]

@@ -12,6 +12,7 @@ from homespec.llama.gguf_info import read_gguf_info
 from homespec.llama.kernels import EXACT_MAX_ROWS
 from homespec.llama.runtime import Runtime
 from homespec.models.loader import runtime_options
+from homespec.models.memory import kv_cells
 from homespec.serving.daemon import Daemon
 from homespec.speculation.batch import Batch
 from homespec.speculation.constraints import json_schema_grammar
@@ -120,8 +121,8 @@ def test_the_daemons_memory_plan_gives_exact_mode_the_smaller_q8_0_cache():
         cfg = Config()
         cfg.runtime.exact = exact
         d = Daemon(cfg)
-        d._plan()  # GGUF headers only: no weights are loaded
-        cells = d.slots * cfg.runtime.n_ctx  # every slot's sequence; 4096 is a multiple of 256
+        plan = d._plan()  # GGUF headers only: no weights are loaded
+        cells = kv_cells(plan.n_ctx, d.slots, unified=not exact)  # every slot's sequence
         assert d.footprints[0].kv == cells * info.kv_bytes_per_token(kv_type), kv_type  # bytes
 
 
@@ -138,7 +139,7 @@ def exact_slots():
 
 
 @pytest.mark.integration
-def test_in_exact_mode_requests_decoded_together_return_their_lone_plain_decoding_bit_for_bit(exact_slots):
+def test_in_exact_mode_requests_decoded_together_return_their_lone_plain_decoding_token_for_token(exact_slots):
     rt, draft = exact_slots
     texts = [PROMPTS[0], LONG, PROMPTS[1], "Explain what a hash map is in two sentences."]
     prompts = [encode(rt, t) for t in texts]
@@ -196,3 +197,13 @@ def test_in_exact_mode_a_sequence_that_grows_into_cells_another_freed_computes_i
     clear()
     # ... where slot 0's next tokens land, before its prompt's: in one unified buffer 0.66 apart.
     assert float(np.abs(beside - alone).max()) == 0.0
+
+
+@pytest.mark.integration
+def test_in_exact_mode_slots_share_no_prefix_cells_and_say_so_instead_of_aborting(exact_slots):
+    rt, _ = exact_slots
+    assert not rt.shares_cells
+    rt.slot(1).eval(encode(rt, PROMPTS[0]), "last")
+    with pytest.raises(ValueError, match="share no cells"):
+        rt.slot(0).share_prefix(rt.slot(1), 4)  # llama.cpp would abort: partial cross-stream copy
+    rt.slot(1).reset()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from homespec.speculation.batch import Batch
-from homespec.speculation.engine import Engine, Event, FixedPolicy, GenerationStats, Steps
+from homespec.speculation.engine import Engine, Event, FixedPolicy, GenerationStats, Steps, StepStats
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
@@ -313,3 +313,44 @@ def test_in_narrow_passes_steps_too_wide_to_share_take_turns() -> None:
     assert passes[:2] == [0, 0]  # request 1's prompt was read between them
     both = passes[1 : len(passes) - passes[::-1].index(0)]  # until request 0's last step
     assert len(both) >= 6 and all(a != b for a, b in zip(both, both[1:]))  # they alternate: neither starves
+
+
+def test_in_narrow_passes_a_lower_priority_prompt_waits_until_no_higher_request_decodes() -> None:
+    rt = FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=8, prefill_chunk=64, max_rows=7)
+    events: dict[Hashable, list[Event]] = {"voice": [], "chat": []}
+    events["voice"] += batch.add("voice", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=6), priority=5)
+    for key, ev in round_events(batch):  # the command's prompt, alone
+        events[key].append(ev)
+    long_prompt = [(7 * i) % 60 for i in range(40)]
+    events["chat"] += batch.add("chat", Engine(rt.slot(1)).steps(long_prompt, max_tokens=3), priority=0)
+    while "voice" in batch:
+        for key, ev in round_events(batch):
+            events[key].append(ev)
+        assert batch.last is not None and batch.last.prefill_rows == 0  # not one chunk of the chat's prompt
+    assert len(tokens(events["voice"])) == 6 and not events["chat"]
+    while len(batch):
+        for key, ev in round_events(batch):
+            events[key].append(ev)
+    assert tokens(events["chat"]) == alone(long_prompt, FixedPolicy(), max_tokens=3)
+
+
+def test_a_narrow_pass_of_several_sequences_teaches_no_verify_cost_and_a_lone_one_does() -> None:
+    class Recording(FixedPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps: list[StepStats] = []
+
+        def observe(self, step: StepStats) -> None:
+            self.steps.append(step)
+
+    rt = FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64, max_rows=7)
+    policies = [Recording(), Recording()]
+    for i in range(2):  # request 1 ends first: request 0 then runs alone
+        batch.add(i, Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=12 - 6 * i, policy=policies[i]))
+    while len(batch):
+        round_events(batch)
+    steps = policies[0].steps + policies[1].steps
+    assert any(s.pass_rows == 2 for s in steps) and any(s.pass_rows == 1 for s in steps)
+    assert all(s.timed == (s.pass_rows == 1) for s in steps)  # plain steps: 1 row each

@@ -26,6 +26,7 @@ from homespec.models.memory import (
     compute_buffer,
     estimate,
     fmt_bytes,
+    kv_cells,
     pair_footprints,
     plan_load,
     prefix_cache_budget,
@@ -567,3 +568,10 @@ def test_a_refusal_says_whether_an_empty_machine_would_fit_it():
     assert vram.decision == "refuse" and vram.never_fits
     tiny_gpu = plan_load(pair(1536, 512, vram=(1024, 0)), ram(20.0, vram_free_gib=0.1), cfg(), n_ctx=4096)  # 100 MiB free
     assert "need 1.0 GiB VRAM, 0 MiB free" in tiny_gpu.message, tiny_gpu.message  # not "-924 MiB"
+
+
+def test_kv_cells_round_the_total_up_and_with_a_stream_per_slot_each_stream_again():
+    # llama-context.cpp: n_ctx = pad(n_ctx * slots); per stream n_ctx_seq = pad(n_ctx / slots).
+    assert kv_cells(1000, 1) == 1024 and kv_cells(4096, 4) == kv_cells(4096, 4, unified=False) == 16384
+    assert kv_cells(1100, 4) == 4608  # one buffer
+    assert kv_cells(1100, 4, unified=False) == 4 * 1280  # 4608 / 4 = 1152 -> 1280 a stream
