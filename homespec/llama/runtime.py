@@ -352,10 +352,7 @@ class Runtime:
             return self._eval_many(parts)
         order = sorted(range(len(parts)), key=lambda i: parts[i][0].seq)
         outs = self._eval_many([parts[i] for i in order])
-        back: list[np.ndarray] = [outs[0]] * len(parts) if parts else []
-        for j, i in enumerate(order):
-            back[i] = outs[j]
-        return back
+        return [outs[order.index(i)] for i in range(len(parts))]  # back in the caller's order
 
     def _eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]]) -> list[np.ndarray]:
         n = sum(len(toks) for _, toks, _ in parts)

@@ -146,10 +146,10 @@ class Batch:
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and
-        oldest first, within prefill_chunk and n_batch (narrow passes: `_pack_narrow`). While a prompt of higher priority than
-        some running decodes is read, those decodes sit out: its first token comes as fast as on
-        an idle daemon (a voice command beside long chat answers), at the cost of a round or two
-        for them."""
+        oldest first, within prefill_chunk and n_batch (narrow passes: `_pack_narrow`). While a
+        prompt of higher priority than some running decodes is read, those decodes sit out: its
+        first token comes as fast as on an idle daemon (a voice command beside long chat
+        answers), at the cost of a round or two for them."""
         waiting = [r for r in self._running.values() if r.pending is not None]
         decoding = [r for r in waiting if not _is_prefill(r.pending)]  # type: ignore[arg-type]
         reading = sorted((r for r in waiting if _is_prefill(r.pending)), key=lambda r: (-r.priority, r.order))  # type: ignore[arg-type]
