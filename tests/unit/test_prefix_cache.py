@@ -194,3 +194,26 @@ def test_a_new_request_borrows_the_longest_prefix_a_running_sequence_holds_and_t
     target.slot(1).reset()
     assert host.prefix_cache.prepare(target.slot(2), [*running[:60], 9], [target.slot(0), target.slot(2)]) == 60
     assert host.prefix_cache.shares == 2 and host.prefix_cache.restores == 1 and target.slot(2).tokens == running[:60]
+
+
+def test_a_host_whose_slots_have_caches_of_their_own_lends_no_prefix_keeps_idle_histories_and_packs_narrow_passes():
+    from types import SimpleNamespace
+
+    from homespec.config import Config
+    from homespec.llama.kernels import EXACT_MAX_ROWS
+    from homespec.serving.host import Host
+
+    cfg = Config()
+    cfg.runtime.exact = True  # a KV stream per slot
+    target = FakeRuntime(n_seq=3, n_ctx=1024)
+    target.shares_cells = False
+    host = Host(cfg, SimpleNamespace(target=target, draft=None, mtp_head=None))  # type: ignore[arg-type]
+    system = [(3 * i) % 60 for i in range(30)]
+    running = [*system, 1, 2, 3, *range(100)]
+    target.slot(0).eval(running)
+    host._prepare_cache([*system, 7, 8, 9], 2)  # Slot.share_prefix would refuse: nothing is borrowed
+    assert target.slot(2).tokens == [] and host.prefix_cache is not None and host.prefix_cache.shares == 0
+    target.slot(1).eval(system)
+    host.release_slot(1, busy=[0])  # no shared cache to slow the lone request: the history stays
+    assert target.slot(1).tokens == system
+    assert host.batch(prefill_chunk=64).max_rows == EXACT_MAX_ROWS
