@@ -197,8 +197,10 @@ def dashboard(url: str, api_key: str | None = None) -> DashboardApp:
     return DashboardApp(url, api_key, poll_s=POLL_S, tz=timezone.utc)
 
 
-async def until(pilot, condition, what: str, timeout_s: float = 5.0) -> None:
-    """Let the app run until `condition()` holds; fail with `what` otherwise."""
+async def until(pilot, condition, what: str, timeout_s: float = 30.0) -> None:
+    """Let the app run until `condition()` holds; fail with `what` otherwise. A guard against a
+    hang, not a timing check: alone the panels fill in ~1 s, but 5 s timed out once late in a
+    full `make test` on 2 cores."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
