@@ -44,15 +44,6 @@ GiB = 1024**3  # bytes
 
 # llama.cpp rounds the KV cache up to a multiple of 256 cells (measured: n_ctx 1000 -> 1024 cells).
 KV_PAD = 256  # tokens
-
-
-def kv_cells(n_ctx: int, slots: int, unified: bool = True) -> int:
-    """KV cells llama.cpp allocates for `slots` sequences of n_ctx tokens (llama-context.cpp): the
-    total rounded up to KV_PAD, and with a stream per sequence each stream rounded up again."""
-    total = -(-n_ctx * slots // KV_PAD) * KV_PAD
-    if unified:
-        return total
-    return -(-(total // slots) // KV_PAD) * KV_PAD * slots
 # Logits rows the verify pass asks for: k + 1 with k <= speculation.k_max <= 64. llama.cpp grows
 # its host output buffer to the most rows ever requested in one batch and keeps it.
 VERIFY_OUTPUTS = 65  # rows
@@ -71,6 +62,15 @@ _FALLBACK_OUTPUT_BITS = 6.5625  # bits per element
 
 
 # -- estimate ------------------------------------------------------------------------------------
+
+
+def kv_cells(n_ctx: int, slots: int, unified: bool = True) -> int:
+    """KV cells llama.cpp allocates for `slots` sequences of n_ctx tokens (llama-context.cpp): the
+    total rounded up to KV_PAD, and with a stream per sequence each stream rounded up again."""
+    total = -(-n_ctx * slots // KV_PAD) * KV_PAD
+    if unified:
+        return total
+    return -(-(total // slots) // KV_PAD) * KV_PAD * slots
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def estimate(
     weights_vram = layers_vram + ((out or embd) if output_on_gpu else 0)
     weights_ram = info.tensor_bytes - layers_vram - (out if output_on_gpu else 0)
 
-    cells = -(-n_ctx // KV_PAD) * KV_PAD
+    cells = kv_cells(n_ctx, 1)
     kv = cells * info.kv_bytes_per_token(kv_type)
     kv_vram = kv * gpu_rep // max(1, n_layer)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from homespec.speculation.controller import Controller
 from homespec.speculation.costs import CostModel
-from homespec.speculation.engine import OFF, FixedPolicy, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.engine import OFF, Decision, FixedPolicy, SpeculationPolicy, StepStats, StepTally
 from homespec.speculation.proposers.base import ProposalInfo
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
@@ -82,27 +82,40 @@ def replay(
     return out
 
 
+class _Hindsight:
+    """The oracle's policy: it knows each recording's output, so it drafts the part of the
+    proposal (k <= k_max) that will be accepted, as much of it as gives the best tokens per second
+    of the step (on a curve with a jump, a shorter prefix can), and nothing when no part beats
+    one plain pass."""
+
+    def __init__(self, recordings: Sequence[Recording], ngram: NgramProposer, pass_s: Callable[[int], float], k_max: int) -> None:
+        self._next = iter(recordings)  # replay() begins them in order (a prompt may recur with another length)
+        self.ngram, self.pass_s, self.k_max = ngram, pass_s, k_max
+        self.prompt_len, self.output = 0, []  # the recording being replayed
+
+    def begin(self, prompt: Sequence[int], sampled: bool) -> list[NgramProposer]:
+        rec = next(self._next)
+        assert list(prompt) == rec.prompt, "replayed out of order"
+        self.prompt_len, self.output = len(prompt), rec.output
+        return [self.ngram]
+
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+        t = len(context) - self.prompt_len  # output tokens already in the context
+        k = min(self.k_max, len(self.output) - t - 1)
+        drafted = self.ngram.propose(context, k, _GREEDY, np.random.default_rng(0)).tokens[:k] if k > 0 else []
+        accepted = greedy_verify(drafted, np.asarray(self.output[t : t + len(drafted) + 1])).accepted
+        a = max(range(accepted + 1), key=lambda j: ((j + 1) / self.pass_s(j + 1), -j))  # 0: plain pays best
+        return Decision(self.ngram if a else None, a)
+
+    def observe(self, step: StepStats) -> None:
+        pass
+
+
 def oracle(recordings: Sequence[Recording], ngram: NgramProposer, pass_s: Callable[[int], float], k_max: int) -> StepTally:
-    """Prompt lookup with hindsight: each step drafts the part of its proposal (k <= k_max) that
-    will be accepted, as much of it as gives the best tokens per second of the step (on a curve
-    with a jump, a shorter prefix can), and nothing when no part beats one plain pass. No policy
-    can know this, so its speedup is the reference a policy is read against (it is myopic, step
+    """Prompt lookup with hindsight (_Hindsight), replayed as any policy is. No policy can know
+    what it knows, so its speedup is the reference a policy is read against (it is myopic, step
     by step, so not a proof of optimality)."""
-    out = StepTally()
-    rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
-    for rec in recordings:
-        ngram.begin(rec.prompt)
-        ctx, t = [*rec.prompt, rec.output[0]], 1
-        while t < len(rec.output):
-            k = min(k_max, len(rec.output) - t - 1)
-            drafted = ngram.propose(ctx, k, _GREEDY, rng).tokens[:k] if k else []
-            accepted = greedy_verify(drafted, np.asarray(rec.output[t : t + len(drafted) + 1])).accepted
-            a = max(range(accepted + 1), key=lambda j: ((j + 1) / pass_s(j + 1), -j))  # 0: plain pays best
-            step = StepStats(ngram.name if a else OFF, a, a, a, 0.0, pass_s(a + 1), (True,) * a)
-            out.add(step)
-            ctx += rec.output[t : t + a + 1]
-            t += a + 1
-    return out
+    return replay(recordings, _Hindsight(recordings, ngram, pass_s, k_max), ngram, pass_s)
 
 
 def compare(
