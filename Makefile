@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
 # llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time). It is
 # built for the CPU it runs on: homespec/llama/cpu_build.py reads /proc/cpuinfo and names every x86
-# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX only when a run-time check passes, as a
-# native build faulted in a VM that advertised AMX without enabling its tiles). The wheel is kept
+# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX only with HOMESPEC_AMX=on and a passing
+# tile check: this llama.cpp's AMX kernels died with SIGILL on a Xeon whose tiles work). The wheel is kept
 # in a folder named after the version and the options, never in pip's cache, which is keyed by
 # version only and would hand a wheel built for one CPU to another that lacks its instructions.
 # The options are recorded beside the installed package, and the daemon refuses a build this CPU

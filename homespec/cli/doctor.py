@@ -22,7 +22,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"cpu:      {_cpu_model()}")
     print(f"flags:    {' '.join(f for f in wanted if f in flags) or '(none of the x86 SIMD flags llama.cpp uses)'}")
     if "amx_tile" in flags and not args.no_amx_check:
-        print(f"amx:      {'tiles work (the check ran)' if cb.amx_works() else 'advertised, but the tile check failed: AMX stays off'}")
+        tiles = "tiles work (the check ran)" if cb.amx_works() else "advertised, but the tile check failed"
+        use = ("HOMESPEC_AMX=on: built in when the check passes" if cb.amx_wanted()
+               else "left out: this llama.cpp's AMX kernels crash (SIGILL); HOMESPEC_AMX=on builds them")
+        print(f"amx:      {tiles}; {use}")
     folder = cb.installed_package_dir()
     options = cb.read_stamp(folder) if folder is not None else None
     if options is None:

@@ -10,9 +10,13 @@ exactly the kernels they allow, builds the wheel into a cache folder named after
 (`key`), and records the set next to the installed package (`write_stamp`); the daemon compares
 the record with /proc/cpuinfo before llama.cpp is loaded (`check_stamp`).
 
-AMX is left out unless a check proves the tiles work here: on one VM that advertised `amx_tile`,
-a native build faulted at `ldtilecfg` (ggml_backend_amx_mul_mat). The check compiles and runs a
-few lines of C that ask the kernel for the tile state and load a tile configuration.
+AMX is left out unless asked for (HOMESPEC_AMX=on) and a check proves the tiles work here. The
+check alone is not enough: on a 2-core Xeon VM where it passes (the kernel grants the tile state,
+`ldtilecfg` and `tilezero` run), the AMX build of this llama.cpp dies with SIGILL at `tilezero`
+inside ggml_backend_amx_mul_mat on the first eval, in OpenMP worker threads (gdb, 2026-12-01);
+upstream's open fix (ggml-org/llama.cpp PR 26954) requests the tile state per thread and keeps
+the tile configuration from being optimised away. The check compiles and runs a few lines of C
+that ask the kernel for the tile state and load a tile configuration.
 
 This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
 it imports nothing but the standard library.
@@ -126,9 +130,15 @@ def this_cpu_options() -> dict[str, bool]:
     return choose(flags, amx=_amx_here(flags))
 
 
+def amx_wanted(environ: dict[str, str] | None = None) -> bool:
+    """HOMESPEC_AMX=on asks for llama.cpp's AMX kernels; anything else (the default) leaves them
+    out: they crash this llama.cpp on a CPU whose tiles work (module docstring)."""
+    return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "off").lower() == "on"
+
+
 def _amx_here(flags: set[str]) -> bool:
-    """AMX on the CPU's word only when the check runs here; HOMESPEC_AMX=off skips the check."""
-    return "amx_tile" in flags and os.environ.get("HOMESPEC_AMX", "auto") != "off" and amx_works()
+    """AMX only when asked for, advertised, and the tile check runs here."""
+    return "amx_tile" in flags and amx_wanted() and amx_works()
 
 
 def key(options: dict[str, bool]) -> str:
@@ -203,6 +213,9 @@ def require_matching_build() -> None:
     if missing:
         raise ModelError(f"llama.cpp in {folder} was built for a CPU with {', '.join(missing)}, which this CPU lacks "
                          f"(it would crash): rebuild it for this machine with `make install`")
+    if options is not None and any(options.get(k) for k in AMX_OPTIONS) and not amx_wanted():
+        raise ModelError(f"llama.cpp in {folder} was built with its AMX kernels, which crash this version (SIGILL): "
+                         f"rebuild it without them with `make install`, or set HOMESPEC_AMX=on to keep them")
 
 
 def _main(argv: list[str]) -> int:

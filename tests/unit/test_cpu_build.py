@@ -27,6 +27,22 @@ def test_an_avx512_cpu_gets_the_avx512_kernels_and_amx_only_when_the_check_passe
     assert all(cb.choose(XEON_AMX, amx=True)[k] for k in cb.AMX_OPTIONS)
 
 
+def test_amx_is_left_out_unless_asked_for_because_its_kernels_crash_this_llama_cpp() -> None:
+    assert not cb.amx_wanted({}) and not cb.amx_wanted({"HOMESPEC_AMX": "auto"})
+    assert cb.amx_wanted({"HOMESPEC_AMX": "on"}) and cb.amx_wanted({"HOMESPEC_AMX": "ON"})
+
+
+def test_this_cpu_gets_no_amx_kernels_by_default_even_where_the_tile_check_passes(monkeypatch) -> None:
+    monkeypatch.setattr(cb.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
+    monkeypatch.setattr(cb, "amx_works", lambda cc=None: True)
+    monkeypatch.delenv("HOMESPEC_AMX", raising=False)
+    assert not any(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
+    assert cb.this_cpu_options()["GGML_AVX512_VNNI"]
+    monkeypatch.setenv("HOMESPEC_AMX", "on")
+    assert all(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
+
+
 def test_avx512_needs_all_five_of_its_subsets() -> None:
     assert not cb.choose(EPYC_AVX2 | {"avx512f", "avx512cd", "avx512vl", "avx512dq"})["GGML_AVX512"]
 
@@ -103,3 +119,18 @@ def test_the_runtime_refuses_a_build_for_another_cpu_before_loading_it(monkeypat
         cb.require_matching_build()
     cb.write_stamp(tmp_path, cb.choose(EPYC_AVX2))
     cb.require_matching_build()  # the right build passes
+
+
+def test_the_runtime_refuses_a_build_with_amx_kernels_unless_amx_was_asked_for(monkeypatch, tmp_path: Path) -> None:
+    import pytest
+
+    from homespec.errors import ModelError
+
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=True))  # an install from before AMX became opt-in
+    monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
+    monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
+    monkeypatch.delenv("HOMESPEC_AMX", raising=False)
+    with pytest.raises(ModelError, match="AMX kernels.*make install"):
+        cb.require_matching_build()
+    monkeypatch.setenv("HOMESPEC_AMX", "on")
+    cb.require_matching_build()
