@@ -64,7 +64,9 @@ def test_hidden_window_keeps_the_last_positions_aligned_through_prefill_steps_an
     got = hidden_rt.hidden_rows(hidden_rt.hidden_start, len(seq))
     want = ref[hidden_rt.hidden_start :]
     rel = np.abs(got - want).max() / np.abs(want).max()
-    assert rel < 0.02, f"hidden states differ by {rel:.3f} of their scale: misaligned?"
+    # Batch noise, not misalignment: on a Xeon's AVX-512 kernels aligned rows differed by up to
+    # 0.022 of the scale (0.004-0.022 a row), any row against its neighbour's by 0.15-0.94.
+    assert rel < 0.05, f"hidden states differ by {rel:.3f} of their scale: misaligned?"
     # A position's state matches that position, not a neighbour's.
     assert np.abs(got[-1] - want[-1]).max() < np.abs(got[-1] - want[-2]).max()
 
