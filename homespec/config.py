@@ -39,6 +39,16 @@ class Mode(str, Enum):
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 
+def _yaml_switch(value: object) -> object:
+    """YAML 1.1 reads an unquoted on/off as true/false: take them back as the words the field
+    lists (`mode: off`, `flash_attn: on`)."""
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    return value
+
+
 class ConfigError(UserError):
     """A config file that cannot be used; the message is one line naming the field."""
 
@@ -93,6 +103,7 @@ class RuntimeConfig(_Strict):
     # measured 9 % slower with it (85.2 vs 77.7 ms a token, same run, 2 cores; prefill and
     # 5-token verify passes unchanged). Our auto: off on a CPU, llama.cpp's choice with a GPU.
     flash_attn: Literal["auto", "on", "off"] = Field("auto", description="Flash attention (auto: off on CPU)")
+    _flash_attn_words = field_validator("flash_attn", mode="before")(_yaml_switch)
     # Without it the AVX2 EPYC ran 8-12-row verify passes 9-20 % faster but prefill 1-10 % and
     # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
     tiled_matmul: bool = Field(True, description="ggml's tiled matmul for passes of 8+ tokens (GGML_CPU_TILED_MM overrides)")
@@ -161,6 +172,7 @@ class ControllerConfig(_Strict):
 
 class SpeculationConfig(_Strict):
     mode: Mode = Field(Mode.AUTO, description="auto picks proposer and k from measurements; off = k 0")
+    _mode_words = field_validator("mode", mode="before")(_yaml_switch)
     # Used by the fixed modes (draft, ngram, mtp).
     k: int = Field(4, ge=0, le=64, description="Draft length in the fixed modes (0 = off)")
     # 16: a pass over 17 tokens costs ~9x one pass on a 2-core CPU; longer drafts only pay with

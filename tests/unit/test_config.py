@@ -16,6 +16,16 @@ def test_flash_attention_auto_is_off_on_a_cpu_and_left_to_llama_cpp_with_a_gpu()
     assert RuntimeConfig(exact=True, flash_attn="on").flash_attn_for(0) is True
 
 
+def test_unquoted_yaml_off_and_on_read_as_the_words_not_as_booleans(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text("speculation:\n  mode: off\nruntime:\n  flash_attn: on\n")
+    cfg = load_config(path)
+    assert cfg.speculation.mode == "off" and cfg.runtime.flash_attn == "on"
+    path.write_text("speculation:\n  mode: on\n")
+    with pytest.raises(ConfigError, match=r"speculation\.mode"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("text, field", [
     ("runtime:\n  flash_attn: sometimes\n", r"runtime\.flash_attn"),
     # Exact mode needs flash attention: without it one-token and batched attention differ.
