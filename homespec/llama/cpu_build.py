@@ -8,7 +8,7 @@ native build (-march=native) is fast where it was built and dies with SIGILL els
 wheel cache is keyed by version, not by CPU. So the install reads the CPU's flags, turns on
 exactly the kernels they allow, builds the wheel into a cache folder named after that set
 (`key`), and records the set next to the installed package (`write_stamp`); the daemon compares
-the record with /proc/cpuinfo before llama.cpp is loaded (`check_stamp`).
+the record with /proc/cpuinfo before llama.cpp is loaded (`require_matching_build`).
 
 AMX is left out unless asked for (HOMESPEC_AMX=on) and a check proves the tiles work here. The
 check alone is not enough: on a 2-core Xeon VM where it passes (the kernel grants the tile state,

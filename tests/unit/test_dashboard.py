@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timezone
 from pathlib import Path
 
@@ -209,7 +210,7 @@ def dashboard(url: str, api_key: str | None = None) -> DashboardApp:
     return DashboardApp(url, api_key, poll_s=POLL_S, tz=timezone.utc)
 
 
-async def until(pilot, condition, what: str, timeout_s: float = 30.0, detail=None) -> None:
+async def until(pilot, condition, what: str, timeout_s: float = 30.0, detail: Callable[[], object] | None = None) -> None:
     """Let the app run until `condition()` holds; fail with `what` (and `detail()`, if given)
     otherwise. A guard against a hang, not a timing check: alone the panels fill in ~1 s."""
     deadline = time.monotonic() + timeout_s
@@ -334,7 +335,8 @@ async def test_panels_fill_in_after_a_request(daemon):
         # Each panel repaints on its own after a snapshot: wait for the last. What the panels
         # render is checked here; how the screen lays them out, by the snapshot test.
         def missing() -> list[str]:
-            return [f for f in figures if f not in panel_text(app)]
+            text = panel_text(app)  # once per check, not once per figure
+            return [f for f in figures if f not in text]
 
         await until(pilot, lambda: not missing(), "every panel's figures", detail=missing)
         assert app.query_one(SpeedupDigits).value == "1.42x"
