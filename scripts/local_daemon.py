@@ -1,4 +1,5 @@
 """Start `homespec serve` as a subprocess on a free loopback port, for the measurement scripts.
+HOMESPEC_DAEMON_LOG=FILE: run it with debug logging into FILE (the controller's every decision).
 
 The config is copied with some settings overridden and every relative model path made absolute
 (the copy lives in a temporary folder).
@@ -6,6 +7,7 @@ The config is copied with some settings overridden and every relative model path
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -46,9 +48,10 @@ def start(config: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str, 
     """(process, base URL, seconds from process start to /ready: load + warm-up)."""
     port = free_port()
     t0 = time.perf_counter()
+    log = os.environ.get("HOMESPEC_DAEMON_LOG")  # a file for the daemon's debug log (every decision)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "homespec", "serve", "--config", str(config), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "homespec", *(["-v"] if log else []), "serve", "--config", str(config), "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w") if log else subprocess.DEVNULL,  # (the child holds it)
     )
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - t0 < timeout_s:

@@ -9,8 +9,9 @@ sampling and stop conditions stay inside each generation, so exactness is per re
 A prompt is prefilled in chunks of at most `prefill_chunk` tokens per round, oldest request first,
 beside the running decodes: a 500-token prompt takes ~12 s to read on 2 cores, and in one piece it
 would stall every other request for that long. Each generation is told, with every event, how many
-rows the others brought to the last pass (`alongside`), so its policy prices its own draft at what
-it adds to the shared pass rather than at a pass of its own (controller.py).
+rows the others will bring to its next pass (`alongside`: decode steps and prompt chunks), so its
+policy prices its own draft at what it adds to the shared pass rather than at a pass of its own
+(controller.py).
 
 Narrow passes (`max_rows`, exact mode): a row's logits are the same in any pass below ggml's
 tiled-matmul threshold (llama/kernels.py), so decode steps share a pass only up to max_rows rows
@@ -126,6 +127,12 @@ class Batch:
         rows = sum(len(toks) for _, toks, _ in parts)
         prefill = sum(len(toks) for r, toks, _ in parts if _is_prefill(r.pending))  # type: ignore[arg-type]
         self.last = RoundStats(rows, len(parts), prefill, seconds)
+        # Each generation decides its next step knowing the rows beside it in the next pass: of
+        # those that decided before it this round, their new steps; of the rest, what they are
+        # expected to bring (_next_rows). Counting the last pass's rows instead, three requests
+        # beside a free fourth row would each take it.
+        read = {r.key: len(toks) for r, toks, _ in parts}
+        planned = {o.key: self._next_rows(o, read.get(o.key, 0)) for o in self._running.values()}
         for (r, toks, _), logits in zip(parts, outs):
             p = r.pending
             assert p is not None
@@ -140,9 +147,24 @@ class Batch:
             p.rows, p.seconds, p.timed = rows, seconds, not prefill and (self.max_rows is None or len(parts) == 1)
             reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
             r.pending, r.done, r.rows = None, 0, []
-            # The others' decode rows: each emits about a token (prompt rows emit none).
-            alongside = rows - prefill - (len(toks) if not _is_prefill(p) else 0)
+            alongside = sum(n for key, n in planned.items() if key != r.key)
             self._advance(r, reply, deliver, alongside=alongside)
+            planned[r.key] = self._next_rows(r) if r.key in self._running else 0
+
+    def _next_rows(self, r: _Running, reading: int = 0) -> int:
+        """Rows a generation is expected to bring to the next pass, once `reading` more tokens
+        of its pending pass are read: a decode step as long as this one, the next chunk of its
+        prompt (narrow passes: none, a prompt is read in passes of its own), or, with its prompt
+        read, its first decode row."""
+        p = r.pending
+        if p is None:
+            return 0
+        if not _is_prefill(p):
+            return len(p.tokens)
+        left = len(p.tokens) - r.done - reading
+        if left <= 0:
+            return 1
+        return 0 if self.max_rows is not None else min(left, self.prefill_chunk)
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and

@@ -46,6 +46,7 @@ happily speculates at a loss; here the objective is tokens per second and k = 0 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -55,7 +56,9 @@ import numpy as np
 from homespec.config import ControllerConfig, Mode
 from homespec.speculation.costs import AcceptanceModel, CostModel, expected_emitted
 from homespec.speculation.engine import OFF, Decision, FixedPolicy, SpeculationPolicy, StepStats
-from homespec.speculation.proposers.base import Evidence, Proposer
+from homespec.speculation.proposers.base import IN_STEP_LAG, Evidence, Proposer
+
+log = logging.getLogger(__name__)
 
 # Share of recent generation time that probing unprofitable proposers may cost at most, over
 # an exponential window of BUDGET_WINDOW steps (~50 s of generation on 2 cores).
@@ -75,6 +78,9 @@ UNEARNED_PASSES = 3.0
 # with three measured cost curves, doubling cost edits 3-6 % against no cap; 4x stays within 2 %
 # and keeps chat's gain.
 EARNED_GROWTH = 4
+# Rows of a pass of several requests the shared cost curve covers, in drafts of k_max + 1
+# (beyond, it grows by the mean row).
+SHARED_ROWS = 4
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -89,18 +95,20 @@ class AcceptanceKey(NamedTuple):
     sampled: bool = False  # a temperature > 0 request
 
 
+class Option(NamedTuple):
+    """A proposer usable for the step being decided."""
+
+    key: AcceptanceKey  # what its acceptance is tracked by, under the evidence it offers now
+    k: int  # the longest draft it may make (what it has, and what it has earned in this request)
+    switch_s: float  # seconds of catching up before it can draft (it sat out), beyond a step's own
+
+
 @dataclass(frozen=True)
 class Candidate:
     proposer: str
     k: int
-    tokens: float  # expected emitted tokens of the pass (other requests' included)
-    seconds: float  # expected step time
-    shared: float = 0.0  # of `tokens`, those other requests in the same pass emit
-
-    @property
-    def own(self) -> float:
-        """Expected tokens this request emits."""
-        return self.tokens - self.shared
+    tokens: float  # expected tokens this request emits
+    seconds: float  # expected seconds the step costs (beside other requests: what it adds to their pass)
 
     @property
     def rate(self) -> float:
@@ -151,6 +159,11 @@ class Controller:
         self.cfg = cfg
         self.k_max = k_max
         self.cost = CostModel(k_max + 1, cfg.cost_ewma)
+        # Passes of several requests, learned apart: such a pass is not one request's pass of as
+        # many rows (several histories to attend over, rows spread over sequences), its rows reach
+        # past one request's k_max + 1, and its timings would otherwise move a lone request's
+        # curve (plain decoding's baseline with it).
+        self.shared = CostModel(SHARED_ROWS * (k_max + 1), cfg.cost_ewma)
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior)
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
         self.step_no = 0
@@ -218,6 +231,7 @@ class Controller:
             sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, n_max} & set(range(1, n_max + 1)))
         samples = {n: float(np.median([time_pass(n) for _ in range(passes)])) for n in sizes}
         self.cost.set_verify(samples)
+        self.shared.set_verify(samples)  # until passes of several requests are timed
         out = {"target": samples}
         for name, p in self.proposers.items():
             measured = p.measure_cost(context, probe, passes) if context else None
@@ -234,14 +248,16 @@ class Controller:
 
     # -- SpeculationPolicy -----------------------------------------------------------------
 
-    def begin(self, prompt: Sequence[int], sampled: bool = False) -> list[Proposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool = False, alongside: int = 0) -> list[Proposer]:
         """A request starts: draft lengths are earned afresh, and acceptance is learned apart
         for sampled requests. Prefill the proposers whose prefill is free (a prompt-lookup index also
-        learns where the prompt ends) and the others only while they pay (a draft's prefill, run
-        after the first token, delays the second for nothing otherwise); the rest catch up if a
-        probe picks them."""
+        learns where the prompt ends) and the others only while they pay, beside `alongside` rows
+        of other requests as the first step will be (a draft's prefill, run after the first token,
+        delays the second for nothing otherwise, and every other request's next token with it);
+        the rest catch up if a probe picks them."""
         self.req.earned = {}
         self.req.sampled = sampled
+        self.req.alongside = alongside
         plain = self._plain()
         return [
             p
@@ -256,18 +272,21 @@ class Controller:
         if not self.cost.calibrated():
             return Decision(None, 0)
         plain = self._plain()
-        options = self._options(context)  # proposer -> (key, k available)
-        best_of = {p: self._best(p, k_avail, key) for p, (key, k_avail) in options.items()}
+        options = self._options(context)
+        best_of = {p: self._best(p, o.k, o.key, switch_s=o.switch_s) for p, o in options.items()}
         best = max([plain, *best_of.values()], key=lambda c: c.rate)
         if best.proposer != OFF and best.rate < self._bar(plain):
             best = plain
         reason = self._reason(best, plain)
-        probe = self._probe(best, options, context)
+        probe = self._probe(best, options)
         if probe is not None:
             reason = f"probe {probe.proposer} k={probe.k} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
             best = probe
             self.req.probing = probe.proposer
         self._record(best, plain, options, reason)
+        if log.isEnabledFor(logging.DEBUG):  # `homespec -v serve`: every decision and what it weighed
+            log.debug("beside %d rows: %s; best k per proposer: %s", alongside, reason,
+                      ", ".join(f"{p} k={c.k} {c.rate / plain.rate:.2f}x" for p, c in best_of.items()) or "none")
         if best.proposer == OFF:
             return Decision(None, 0)
         self.last_tried[best.proposer] = self.step_no
@@ -278,16 +297,21 @@ class Controller:
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
         if step.timed:  # (a pass that also read prompts is no verify cost)
-            batched = step.pass_rows > step.proposed + 1  # with other requests: the whole pass
-            rows, seconds = (step.pass_rows, step.pass_s) if batched else (step.proposed + 1, step.verify_s)
-            self.cost.observe_verify(rows, seconds)
+            if step.pass_rows > step.proposed + 1:  # with other requests: the whole pass
+                self.shared.observe_verify(step.pass_rows, step.pass_s)
+            else:
+                self.cost.observe_verify(step.proposed + 1, step.verify_s)
         catchup = step.info.catchup_s
         if catchup:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)
         probing = self.req.probing == step.proposer
         self.req.probing = None
         self.explore_s *= _BUDGET_DECAY
-        self.total_s = self.total_s * _BUDGET_DECAY + step.seconds
+        # Beside other requests, this request's share of the pass: four requests' steps in one
+        # pass are one pass of generation time, not four, for the budget probes draw on alone.
+        own = step.proposed + 1
+        spent = step.draft_s + step.pass_s * own / step.pass_rows if step.pass_rows > own else step.seconds
+        self.total_s = self.total_s * _BUDGET_DECAY + spent
         # Steps of no registered proposer (plain, or a grammar's forced tokens) teach no acceptance.
         if step.proposer in self.proposers and step.proposed:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
@@ -330,51 +354,67 @@ class Controller:
             return 1.0 - (1.0 - p) * 2.0 / key.match
         return p
 
-    def _options(self, context: Sequence[int]) -> dict[str, tuple[AcceptanceKey, int]]:
-        """Proposers usable now: acceptance key and the largest k each may draft (what it has,
-        and what it has earned in this request)."""
-        out: dict[str, tuple[AcceptanceKey, int]] = {}
+    def _options(self, context: Sequence[int]) -> dict[str, Option]:
+        """Proposers usable now (those with something to propose), with the largest k each may
+        draft and what switching to it costs. A proposer that sat out must first read what it
+        missed (a draft model: ~7 ms a token on 2 cores, 0.7 s after 100 steps): that stalls this
+        request and, beside others, their pass too, so the step is priced with it. Once caught
+        up it stays cheap while chosen."""
+        out: dict[str, Option] = {}
         unearned = self._unearned_k()
         for name, p in self._usable().items():
             earned = max(unearned, EARNED_GROWTH * self.req.earned.get(name, 0))
             preview = p.preview(context, self.k_max)
             if preview.available > 0:  # nothing to propose: not a candidate now
                 self._shown[name] = preview.evidence
-                out[name] = (self._key(name, preview.evidence), min(preview.available, earned))
+                lag = p.lag(context)
+                switch_s = self.cost.catchup(name, lag) if lag > IN_STEP_LAG else 0.0
+                out[name] = Option(self._key(name, preview.evidence), min(preview.available, earned), switch_s)
         return out
 
-    # Several requests in one pass (batch.py): the request beside `alongside` rows of others
-    # chooses the k that maximises the whole pass's goodput, (b + E[emitted | k]) / t(b + k + 1),
-    # counting each of the others' rows as one token. Its draft rows must then beat the rate the
-    # pass already has, not a pass of its own: on a CPU, whose passes grow ~linearly with rows, a
-    # draft beside others pays only when it is accepted nearly always, so the rows of one pass go
-    # to the requests whose drafts are accepted most. Alone (b = 0) this is the rate above.
+    # Several requests in one pass (batch.py): the others' `alongside` rows are computed whatever
+    # this request does, so its candidates are priced at what their rows add to the pass,
+    # t(b + k + 1) - t(b) (CostModel.added), for this request's own expected tokens. A draft must
+    # make this request's tokens cheaper than its one plain row does. Pricing the whole pass
+    # instead, (b + E[emitted | k]) / t(b + k + 1), drafts whenever the draft beats the pass's
+    # average row; but the others' tokens do not come sooner for it (each still needs a pass per
+    # token, and every pass is longer), so four requests finish later together than with no
+    # drafts at all. Measured, 4 clients on a 2-core Xeon: 15.7-18.2 tok/s at once that way,
+    # 22.2 with speculation off. On a CPU's ~linear curve a draft beside others thus pays only
+    # where the curve bends (a few rows, or a kernel's tile boundary); on a GPU's flat curve it
+    # still pays; and the last request running prices as alone (b = 0), where this is the rate
+    # above.
 
     def _bar(self, plain: Candidate) -> float:
-        """The rate a speculative candidate must reach: min_gain over plain decoding, for this
-        request's share of the pass (diluted over the others' tokens it cannot change)."""
-        return plain.rate * (1.0 + (self.cfg.min_gain - 1.0) * plain.own / plain.tokens)
+        """The rate a speculative candidate must reach: min_gain over plain decoding."""
+        return plain.rate * self.cfg.min_gain
 
     def _unearned_k(self) -> int:
         """The longest draft whose verification costs at most UNEARNED_PASSES single passes."""
-        limit = UNEARNED_PASSES * self.cost.added(1, self.req.alongside)
-        return max([1, *(k for k in range(1, self.k_max + 1) if self.cost.added(k + 1, self.req.alongside) <= limit)])
+        passes, b = self._passes(), self.req.alongside
+        limit = UNEARNED_PASSES * passes.added(1, b)
+        return max([1, *(k for k in range(1, self.k_max + 1) if passes.added(k + 1, b) <= limit)])
+
+    def _passes(self) -> CostModel:
+        """The cost curve of the pass being decided: one request's, or several requests' (once
+        calibrated: a curve set on `cost` alone also prices shared passes)."""
+        return self.shared if self.req.alongside and self.shared.calibrated() else self.cost
 
     def _plain(self) -> Candidate:
         return self._candidate(OFF, 0, np.ones(1))
 
-    def _candidate(self, p: str, k: int, emitted: np.ndarray) -> Candidate:
-        b = self.req.alongside
+    def _candidate(self, p: str, k: int, emitted: np.ndarray, switch_s: float = 0.0) -> Candidate:
+        """emitted: [k_max + 1] expected tokens of a step drafting 0..k_max."""
         propose = self.cost.propose(p, k) if k else 0.0
-        return Candidate(p, k, b + float(emitted[k]), self.cost.verify(b + k + 1) + propose, shared=float(b))
+        return Candidate(p, k, float(emitted[k]), self._passes().added(k + 1, self.req.alongside) + propose + switch_s)
 
-    def _best(self, p: str, k_avail: int, key: AcceptanceKey, rates: np.ndarray | None = None) -> Candidate:
+    def _best(
+        self, p: str, k_avail: int, key: AcceptanceKey, rates: np.ndarray | None = None, switch_s: float = 0.0
+    ) -> Candidate:
         emitted = expected_emitted(self.acc.rates(key) if rates is None else rates)  # [k_max + 1]
-        return max((self._candidate(p, k, emitted) for k in range(1, k_avail + 1)), key=lambda c: c.rate)
+        return max((self._candidate(p, k, emitted, switch_s) for k in range(1, k_avail + 1)), key=lambda c: c.rate)
 
-    def _probe(
-        self, best: Candidate, options: Mapping[str, tuple[AcceptanceKey, int]], context: Sequence[int]
-    ) -> Candidate | None:
+    def _probe(self, best: Candidate, options: Mapping[str, Option]) -> Candidate | None:
         """One step with a proposer untried for explore_every steps, if (1) it could pay at all —
         at PROBE_ACCEPTANCE at every position it would beat plain (on a 2-core CPU a 0.5B draft
         cannot, and probing it would only waste time) — and (2) the exploration budget, EXPLORE_BUDGET of all
@@ -390,19 +430,18 @@ class Controller:
         plain = self._plain()
         stale = [
             p
-            for p, (key, k_avail) in options.items()
+            for p, o in options.items()
             if p != best.proposer
             and self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self.failed_probes.get(p, 0), MAX_BACKOFF)
-            and self._best(p, k_avail, key, np.full(self.k_max, PROBE_ACCEPTANCE)).rate >= self._bar(plain)
+            and self._best(p, o.k, o.key, np.full(self.k_max, PROBE_ACCEPTANCE)).rate >= self._bar(plain)
         ]
         if not stale:
             return None
         p = min(stale, key=lambda q: (self.last_tried[q], q))  # the longest untried; ties by name
-        key, k_avail = options[p]
-        k = min(k_avail, 4)  # enough positions to learn from, cheaply
-        probe = self._candidate(p, k, self.acc.expected_emitted(key))
-        catchup = self.cost.catchup(p, self._usable()[p].lag(context))
-        expected_cost = catchup + max(0.0, probe.seconds - probe.tokens * plain.seconds / plain.tokens)
+        o = options[p]
+        k = min(o.k, 4)  # enough positions to learn from, cheaply
+        probe = self._candidate(p, k, self.acc.expected_emitted(o.key))
+        expected_cost = o.switch_s + max(0.0, probe.seconds - probe.tokens * plain.seconds / plain.tokens)
         if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
         return probe
@@ -411,13 +450,11 @@ class Controller:
         if best.proposer == OFF:
             return f"off: no proposer beats {plain.rate:.1f} tok/s by {self.cfg.min_gain:.2f}x"
         return (
-            f"{best.proposer} k={best.k}: expects {best.own:.2f} tokens in "
+            f"{best.proposer} k={best.k}: expects {best.tokens:.2f} tokens in "
             f"{best.seconds * 1000:.0f} ms = {best.rate / plain.rate:.2f}x plain"
         )
 
-    def _record(
-        self, best: Candidate, plain: Candidate, options: Mapping[str, tuple[AcceptanceKey, int]], reason: str
-    ) -> None:
+    def _record(self, best: Candidate, plain: Candidate, options: Mapping[str, Option], reason: str) -> None:
         """The view: the choice, why, and each proposer's expected gain for every k (under the
         evidence it offers now, or the last it offered when it has nothing to propose)."""
         v = self.view
@@ -425,7 +462,7 @@ class Controller:
         v.baseline_tps = 1.0 / self.cost.verify(1)  # plain decoding alone, whatever runs beside
         gains: dict[str, list[float]] = {}
         for p in self.proposers:
-            key = options[p][0] if p in options else self._key(p, self._shown.get(p, Evidence()))
+            key = options[p].key if p in options else self._key(p, self._shown.get(p, Evidence()))
             emitted = self.acc.expected_emitted(key)
             gains[p] = [round(self._candidate(p, k, emitted).rate / plain.rate, 3) for k in range(1, self.k_max + 1)]
         v.gains = gains
@@ -438,9 +475,9 @@ class RequestPolicy:
     def __init__(self, controller: Controller, state: RequestState) -> None:
         self.controller, self.state = controller, state
 
-    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
         self.controller.req = self.state
-        return self.controller.begin(prompt, sampled)
+        return self.controller.begin(prompt, sampled, alongside)
 
     def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         self.controller.req = self.state
@@ -459,9 +496,9 @@ class Observed(FixedPolicy):
         self.controller = controller
         self.state = RequestState()
 
-    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
         self.state.sampled = sampled  # its steps teach the estimates of their own kind
-        return super().begin(prompt, sampled)
+        return super().begin(prompt, sampled, alongside)
 
     def observe(self, step: StepStats) -> None:
         self.controller.req = self.state

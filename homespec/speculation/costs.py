@@ -41,10 +41,15 @@ class CostModel:
         return self.shape * self.speed
 
     def set_verify(self, samples: Mapping[int, float]) -> None:
-        """Calibration: seconds per pass at measured sizes; the rest is interpolated."""
+        """Calibration: seconds per pass at measured sizes; the rest is interpolated, and past
+        the largest extended by the mean cost of a row between the smallest and the largest."""
         ns = sorted(n for n in samples if 1 <= n <= self.n_max)
+        ts = [samples[n] for n in ns]
         xs = np.arange(1, self.n_max + 1)
-        self.shape[1:] = np.interp(xs, ns, [samples[n] for n in ns])
+        self.shape[1:] = np.interp(xs, ns, ts)
+        if len(ns) > 1:
+            slope = max((ts[-1] - ts[0]) / (ns[-1] - ns[0]), 0.0)
+            self.shape[1:] += np.maximum(xs - ns[-1], 0) * slope
         self.log_speed = 0.0
 
     def calibrated(self) -> bool:
@@ -65,12 +70,18 @@ class CostModel:
         return float(max(mean, 0.05 * self.shape[1]) * self.speed)
 
     def added(self, n: int, alongside: int) -> float:
-        """Seconds that n rows add to a pass that already holds `alongside` rows of other
-        requests (a pass of their own when there are none). Measured sizes are noisy, so the
-        difference is kept at half an average row per row at least."""
+        """Seconds that n rows of one request add to a pass that already holds `alongside` rows
+        of others (a pass of their own when there are none): its first row's cost, then what
+        the other n - 1 add to a pass holding it. Each part is kept at half an average row at
+        least (noise, a flat GPU curve, or a tiled kernel whose 4th row costs less than its 3rd):
+        rows are never free, but n of them may cost no more than one. Splitting it so keeps the
+        price of a draft off the size without it, t(alongside), which beside others is the size
+        the pass rarely has (requests decode together), so its estimate is the noisiest."""
         if alongside <= 0:
             return self.verify(n)
-        return max(self.verify(alongside + n) - self.verify(alongside), 0.5 * n * self.row_s())
+        floor = 0.5 * self.row_s()
+        first = max(self.verify(alongside + 1) - self.verify(alongside), floor)
+        return max(first + self.verify(alongside + n) - self.verify(alongside + 1), floor)
 
     def observe_verify(self, n: int, seconds: float) -> None:
         if not (1 <= n <= self.n_max) or seconds <= 0:

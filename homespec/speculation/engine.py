@@ -99,9 +99,10 @@ class Decision:
 
 
 class SpeculationPolicy(Protocol):
-    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
-        """A generation over `prompt` starts (sampled: temperature > 0): returns the proposers
-        worth prefilling with it (the others catch up when first used)."""
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
+        """A generation over `prompt` starts (sampled: temperature > 0; alongside: as decide's,
+        for its first step): returns the proposers worth prefilling with it (the others catch up
+        when first used)."""
         ...
 
     def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
@@ -119,7 +120,7 @@ class FixedPolicy:
         on = proposer is not None and k > 0
         self.decision = Decision(proposer if on else None, k if on else 0)
 
-    def begin(self, prompt: Sequence[int], sampled: bool) -> list[Proposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
         p = self.decision.proposer
         return [p] if p is not None else []
 
@@ -346,7 +347,7 @@ class Engine:
                 return
             alongside = (yield event) or 0
             if prompt:  # the first token is out: a draft's prefill of the prompt is not in its TTFT
-                for proposer in policy.begin(prompt, not params.greedy):
+                for proposer in policy.begin(prompt, not params.greedy, alongside):
                     proposer.begin(prompt)
                 prompt = []
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from homespec.speculation.batch import Batch
-from homespec.speculation.engine import Engine, Event, FixedPolicy, GenerationStats, Steps, StepStats
+from homespec.speculation.engine import Decision, Engine, Event, FixedPolicy, GenerationStats, Steps, StepStats
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
@@ -259,9 +259,10 @@ class Recorder(FixedPolicy):
         self.timed.append(step.timed)
 
 
-def test_the_rows_beside_a_request_count_other_decodes_not_prompt_chunks() -> None:
-    """The goodput maths counts each row beside a request as about one emitted token: prompt
-    rows emit none, and a pass that read prompts is no verify cost to learn from."""
+def test_the_rows_beside_a_request_count_other_decodes_and_the_next_prompt_chunk() -> None:
+    """A draft is priced at what its rows add to the next pass: the others' decode rows and the
+    prompt chunk read beside them are in it. A pass that read prompts is no verify cost to
+    learn from."""
     rt = FakeRuntime(n_seq=3, n_ctx=1024)
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
     a, b = Recorder(), Recorder()
@@ -272,8 +273,36 @@ def test_the_rows_beside_a_request_count_other_decodes_not_prompt_chunks() -> No
     assert a.alongside[-1] == 1 and b.alongside[-1] == 1  # each other's single decode row
     batch.add("reader", Engine(rt.slot(2)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
     round_events(batch)
-    assert a.alongside[-1] == 1  # the 32 prompt rows beside it are not counted
+    assert a.alongside[-1] == 1 + 32  # b's row and the reader's next chunk of 32 (of 100 - 32 left)
     assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost
+
+
+class Alternating(FixedPolicy):
+    """Drafts k = 3 with its proposer every other step, plainly in between; records the rows."""
+
+    def __init__(self, proposer) -> None:
+        super().__init__(proposer, 3)
+        self.rows: list[int] = []
+
+    def decide(self, context, alongside=0):
+        d = self.decision if len(self.rows) % 2 == 0 else Decision(None, 0)
+        self.rows.append(d.k + 1)
+        return d
+
+
+def test_a_request_deciding_after_another_in_the_round_counts_the_rows_that_one_just_chose() -> None:
+    """The rows beside a decision are those of the next pass: a request deciding later in the
+    round sees the earlier one's new draft, not the rows it brought to the pass just run (else
+    two requests beside one free row of a tiled kernel would both take it)."""
+    rt, draft = FakeRuntime(n_seq=2, n_ctx=1024), FakeRuntime(n_seq=2)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    a, b = Alternating(DraftProposer(draft.slot(0), rt.n_vocab)), Recorder()
+    batch.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=60, policy=a))
+    batch.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=60, policy=b))
+    for _ in range(6):
+        round_events(batch)
+    assert len(b.alongside) >= 4 and a.rows[-4:] in ([4, 1, 4, 1], [1, 4, 1, 4])
+    assert b.alongside[-4:] == a.rows[-4:]  # the rows `a` chose earlier in the same round
 
 
 def test_narrow_passes_hold_few_decode_rows_read_prompts_alone_and_change_no_request_output() -> None:

@@ -61,6 +61,11 @@ class Proposal:
     info: ProposalInfo = field(default_factory=ProposalInfo)
 
 
+# Tokens a proposer that drafted the last step is still behind (the bonus token and the last
+# accepted one): reading them is part of proposing; a longer lag is a switching cost.
+IN_STEP_LAG = 2
+
+
 @dataclass(frozen=True)
 class ProposerCost:
     """A proposer's cost measured at warm-up (seconds, on this machine)."""
@@ -85,7 +90,8 @@ class Proposer(Protocol):
         ...
 
     def lag(self, context: Sequence[int]) -> int:
-        """Tokens of `context` it must catch up on before it can propose (0 when in step)."""
+        """Tokens of `context` it must catch up on before it can propose (at most IN_STEP_LAG
+        when it drafted the step before)."""
         ...
 
     def propose(

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from homespec.speculation.proposers.base import Preview, Proposal, ProposalInfo, ProposerCost
+from homespec.speculation.proposers.base import IN_STEP_LAG, Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams, draw, penalize, probabilities, window
 from homespec.speculation.target import Target
 from homespec.tokens import common_prefix
@@ -60,7 +60,7 @@ class DraftProposer:
         logits = self.rt.sync(context, output="last")[0]  # [draft_vocab] after context
         # A long catch-up (the draft sat out some steps) is a switching cost, not a drafting
         # cost per token: report it apart so the controller's cost model stays clean.
-        catchup_s = time.perf_counter() - t0 if behind > 2 else 0.0
+        catchup_s = time.perf_counter() - t0 if behind > IN_STEP_LAG else 0.0
         tokens: list[int] = []
         qs: list[np.ndarray] = []  # each [vocab]
         recent = list(window(context, params))
