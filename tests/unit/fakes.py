@@ -135,13 +135,15 @@ class ScriptedNgram(NgramProposer):
 
 
 class ScriptedModel:
-    """A model proposer for the controller: always has k tokens, never lags; its proposals are
-    played by the test (the controller never calls propose)."""
+    """A model proposer for the controller: always has k tokens, `behind` tokens behind the
+    context (0 unless a test sets it); its proposals are played by the test (the controller
+    never calls propose)."""
 
     free_prefill = False
 
     def __init__(self, name: str = "draft") -> None:
         self.name = name
+        self.behind = 0
 
     def begin(self, prompt: Sequence[int]) -> None:
         pass
@@ -150,7 +152,7 @@ class ScriptedModel:
         return Preview(k)
 
     def lag(self, context: Sequence[int]) -> int:
-        return 0
+        return self.behind
 
     def propose(self, context, k, params, rng):
         raise AssertionError("scripted: the test plays the proposals")

@@ -344,6 +344,20 @@ def test_beside_other_requests_a_draft_takes_the_rows_a_tiled_kernel_gives_away(
     assert beside(xeon_cost, 0.95, 3)[1] == 0
 
 
+def test_a_draft_that_sat_out_is_priced_with_reading_what_it_missed() -> None:
+    # On a flat curve a draft accepted 95 % of the time pays, while it is in step; 400 tokens
+    # behind, at 5 ms a token, catching up costs 2 s: more than the step could ever gain.
+    m = Machine(gpu_cost, {"draft": 0.95}, draft_s=0.001, ngram_cont=0)
+    c = m.controller(proposers=("draft",), explore_every=10_000)
+    c.cost.catchup_s["draft"] = 0.005
+    m.run(c, 100)
+    assert c.decide(m.ctx).name == "draft"
+    c.proposers["draft"].behind = 2  # a step's own lag (the bonus token): no switching cost
+    assert c.decide(m.ctx).name == "draft"
+    c.proposers["draft"].behind = 400
+    assert c.decide(m.ctx).name == OFF
+
+
 def test_a_pass_shared_with_other_requests_teaches_the_shared_curve_the_cost_of_all_its_rows() -> None:
     c = Machine(cpu_cost, {}).controller(proposers=("ngram",))
     alone = [c.cost.verify(n) for n in range(1, K_MAX + 2)]
