@@ -133,6 +133,7 @@ class Batch:
         # beside a free fourth row would each take it.
         read = {r.key: len(toks) for r, toks, _ in parts}
         planned = {o.key: self._next_rows(o, read.get(o.key, 0)) for o in self._running.values()}
+        teaches = True  # (see p.timed)
         for (r, toks, _), logits in zip(parts, outs):
             p = r.pending
             assert p is not None
@@ -143,8 +144,11 @@ class Batch:
                 continue  # more of the prompt next round
             # A pass that also read prompt chunks is not a verify pass of `rows` (a prompt row costs
             # less and emits nothing), nor is a narrow pass of several sequences (module docstring):
-            # their time teaches the cost model nothing.
-            p.rows, p.seconds, p.timed = rows, seconds, not prefill and (self.max_rows is None or len(parts) == 1)
+            # their time teaches the cost model nothing. Every other pass teaches it once, through
+            # the first generation it replies to: four requests reporting the same pass would
+            # weigh it four times against the passes around it.
+            p.rows, p.seconds, p.timed = rows, seconds, teaches and not prefill and (self.max_rows is None or len(parts) == 1)
+            teaches = False
             reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
             r.pending, r.done, r.rows = None, 0, []
             alongside = sum(n for key, n in planned.items() if key != r.key)

@@ -277,6 +277,18 @@ def test_the_rows_beside_a_request_count_other_decodes_and_the_next_prompt_chunk
     assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost
 
 
+def test_a_shared_pass_teaches_the_cost_model_once_not_once_per_request_in_it() -> None:
+    rt = FakeRuntime(n_seq=3, n_ctx=1024)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    recorders = [Recorder() for _ in range(3)]
+    for i, rec in enumerate(recorders):
+        batch.add(i, Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=40, policy=rec))
+    for _ in range(5):
+        round_events(batch)
+    per_round = [sum(t) for t in zip(*(rec.timed[-3:] for rec in recorders))]
+    assert per_round == [1, 1, 1]
+
+
 class Alternating(FixedPolicy):
     """Drafts k = 3 with its proposer every other step, plainly in between; records the rows."""
 
