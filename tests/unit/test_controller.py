@@ -352,7 +352,7 @@ def test_a_draft_that_sat_out_is_priced_with_reading_what_it_missed() -> None:
     c.cost.catchup_s["draft"] = 0.005
     m.run(c, 100)
     assert c.decide(m.ctx).name == "draft"
-    c.proposers["draft"].behind = 2  # a step's own lag (the bonus token): no switching cost
+    c.proposers["draft"].behind = 2  # a step's own lag (bonus and last accepted token): no switching cost
     assert c.decide(m.ctx).name == "draft"
     c.proposers["draft"].behind = 400
     assert c.decide(m.ctx).name == OFF
@@ -367,7 +367,7 @@ def test_a_pass_shared_with_other_requests_teaches_the_shared_curve_the_cost_of_
     # Learned as a pass over 6 rows (its shape grew), not over this request's 3 (which would
     # move the pace of every size alike and leave the shape as it was) ...
     assert c.shared.verify(6) / c.shared.verify(1) > shape * 1.01
-    # ... and not as a lone request's pass: 4 requests' 4 rows cost more than one request's 4.
+    # ... and not as a lone request's pass, which a pass of several requests' rows is not.
     assert [c.cost.verify(n) for n in range(1, K_MAX + 2)] == alone
 
 
