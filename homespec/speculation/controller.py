@@ -296,11 +296,13 @@ class Controller:
 
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
+        own = step.proposed + 1  # this request's rows of the pass
+        batched = step.pass_rows > own  # the pass also held other requests' rows
         if step.timed:  # (a pass that also read prompts is no verify cost)
-            if step.pass_rows > step.proposed + 1:  # with other requests: the whole pass
+            if batched:
                 self.shared.observe_verify(step.pass_rows, step.pass_s)
             else:
-                self.cost.observe_verify(step.proposed + 1, step.verify_s)
+                self.cost.observe_verify(own, step.verify_s)
         catchup = step.info.catchup_s
         if catchup:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)
@@ -309,8 +311,7 @@ class Controller:
         self.explore_s *= _BUDGET_DECAY
         # Beside other requests, this request's share of the pass: four requests' steps in one
         # pass are one pass of generation time, not four, for the budget probes draw on alone.
-        own = step.proposed + 1
-        spent = step.draft_s + step.pass_s * own / step.pass_rows if step.pass_rows > own else step.seconds
+        spent = step.draft_s + step.pass_s * own / step.pass_rows if batched else step.seconds
         self.total_s = self.total_s * _BUDGET_DECAY + spent
         # Steps of no registered proposer (plain, or a grammar's forced tokens) teach no acceptance.
         if step.proposer in self.proposers and step.proposed:
