@@ -12,7 +12,7 @@ client, streaming, greedy, client-side timing:
    process per speculative setting, all on the same prompts), interleaved with homespec's rounds.
 
     .venv/bin/python scripts/parallel_load.py [--config config.yaml] [--clients 4] [--max-tokens 128] [--rounds 2]
-        [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
+        [--context-words 0] [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
 """
 
 from __future__ import annotations
@@ -29,16 +29,26 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cold_ttft import BODY
 from local_daemon import start, stop, write_config
 
 from homespec.serving.bench import load_workloads
 
 
-def mixed_prompts(n: int) -> list[tuple[str, list[dict]]]:
-    """n chat prompts, taking code, edit and chat in turn."""
+def mixed_prompts(n: int, context_words: int = 0) -> list[tuple[str, list[dict]]]:
+    """n chat prompts, taking code, edit and chat in turn; with context_words, each opens with
+    that many words of a household manual of its own (as an assistant's retrieved documents or a
+    long system prompt would), so that every request decodes beside long histories."""
     loads = {w.name: [p for p in w.prompts if p.messages] for w in load_workloads(("code", "edit", "chat"))}
     names = list(loads)
-    return [(names[i % 3], loads[names[i % 3]][i // 3].messages) for i in range(n)]
+    out = []
+    for i in range(n):
+        messages = [dict(m) for m in loads[names[i % 3]][i // 3].messages]
+        if context_words:
+            words = (BODY * (context_words // 40 + 60)).split()[37 * i :][:context_words]
+            messages[-1]["content"] = f"Household manual, part {i + 1}:\n{' '.join(words)}\n\n{messages[-1]['content']}"
+        out.append((names[i % 3], messages))
+    return out
 
 
 def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, priority: int = 0) -> dict:
@@ -79,6 +89,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--context-words", type=int, default=0, help="open each prompt with this many words of its own context")
     ap.add_argument("--peer", action="store_true", help="also run the load against llama-server -np N")
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
     ap.add_argument("--peer-settings", default="plain,ngram-simple,ngram-mod,draft")
@@ -90,7 +101,7 @@ def main() -> None:
     proc, url, ready_s = start(config)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
     try:
-        prompts = mixed_prompts(args.clients)
+        prompts = mixed_prompts(args.clients, args.context_words)
         # Every server reads every prompt once first: then no round, and no server, is the one
         # that pays the cold prompts (homespec's prefix cache and llama-server's slots keep them).
         for c in (client, *peer_clients.values()):
