@@ -111,23 +111,26 @@ class RuntimeConfig(_Strict):
     # requests (Config.k_limit, Config.max_pass_rows); the default mode keeps greedy output equal
     # to plain decoding except at near-ties (DESIGN.md).
     exact: bool = Field(False, description="Batch-invariant kernels: greedy output with speculation equals plain decoding bit for bit")
+    # Off: a KV stream per slot, as llama-server -np N. Each slot's rows then attend over its own
+    # cells only, not (masked) over every slot's: measured on a 2-core Xeon, four requests with
+    # ~1,000-token prompts finished in 0.81x the time, a pass of four one-row steps beside
+    # 2,000-token histories took 240 against 310 ms, and a lone request beside idle 2,000-token
+    # histories 113 against 168 ms; with ~100-token prompts the two were even (0.998x). Exact
+    # mode needs it off (llama/kernels.py).
+    kv_unified: bool = Field(False, description="One KV buffer for all slots (llama.cpp's --kv-unified); off: a stream per slot")
 
     @model_validator(mode="after")
     def _exact_needs_flash_attn(self) -> RuntimeConfig:
         if self.exact and self.flash_attn == "off":
             raise ValueError("exact: needs flash_attn auto or on (without it one-token and batched attention differ)")
+        if self.exact and self.kv_unified:
+            raise ValueError("exact: needs kv_unified off (in one shared buffer a sequence's cells leave position order)")
         return self
 
     @property
     def kv_type(self) -> KvType:
         """The target's KV-cache element type: f16, llama.cpp's default, except in exact mode."""
         return EXACT_KV_TYPE if self.exact else "f16"
-
-    @property
-    def kv_unified(self) -> bool:
-        """One KV buffer for all slots, except in exact mode: there a stream per slot keeps each
-        sequence's cells in position order (llama/kernels.py)."""
-        return not self.exact
 
     def flash_attn_for(self, n_gpu_layers: int) -> bool | None:
         """True/False to force it, None to leave the choice to llama.cpp."""

@@ -6,8 +6,8 @@ conversations: before a request would truncate away a long cached history that i
 share, that history's KV state is saved (llama_state_seq_get_data); a later request that shares
 more with a saved state than with the live cache restores it. Entries are evicted least recently
 used within a byte budget (memory.prefix_cache_mib, which the load plan counts). With several
-KV sequences (requests decoding together), a prefix another sequence holds is shared instead,
-at no cost.
+KV sequences (requests decoding together), a prefix another sequence holds is borrowed instead
+(Slot.share_prefix: free in a unified KV buffer, a copy of its cells with a stream per slot).
 
 Only the target's cache is saved: it is what prefill time is spent on. A draft model, when one is
 in use, catches up on its own (cheaper) after a switch.
@@ -78,7 +78,7 @@ class PrefixCache:
 
         peers: the other sequences of rt's context, running or idle. One that shares more of the
         prompt than the live cache and every saved state lends its prefix (share_prefix: free in
-        the unified cache). Requests of different apps share the chat template's system prompt,
+        the unified cache, a copy of its cells across streams). Requests of different apps share the chat template's system prompt,
         and a voice command beside three long answers then reads only its own words.
 
         After this, rt.sync(prompt) re-evaluates only what follows the returned length.

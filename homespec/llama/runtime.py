@@ -15,16 +15,20 @@ It asks llama.cpp for logits only at the positions it uses (the batch's per-toke
 the high-level `Llama(logits_all=True)` keeps an n_ctx x vocab array and runs the output layer
 over the whole prompt (DESIGN.md: +1.1 GB RSS, +8 % prefill).
 
-Several sequences: `eval_many` packs tokens of several slots into one llama_decode. The cache is
-unified (one buffer for all sequences, `kv_unified`): every token attends (masked) over the cells
-of all sequences, so an idle history in another slot costs a lone request's pass (1 token at
-1,500 tokens: 122.8 ms beside three idle 1,500-token histories, 114.7 ms beside empty slots; the
-host empties idle slots when it runs alone). A stream per sequence (llama-server's `-np N`) was
-measured too: single passes of mixed shapes ran 0-18 % faster, yet four streaming clients got
-fewer tokens/s from the daemon than with the unified cache in 7 of 7 interleaved rounds (two
-runs), so unified stays, except in exact mode: there a sequence's cells must stay in position
-order, and in a shared buffer a sequence that grows into cells another freed does not (kernels.py).
-Each slot may hold n_ctx tokens; the buffer holds n_ctx x n_seq.
+Several sequences: `eval_many` packs tokens of several slots into one llama_decode. By default
+each sequence has a KV stream of its own (`kv_unified` off, as llama-server's `-np N`): its rows
+attend over its own cells only. In the unified cache (one buffer for all sequences) every token
+attends, masked, over the cells of all of them, so the passes grow with the other slots'
+histories: on a 2-core Xeon, four one-row steps beside four 2,000-token histories took 310 ms
+unified and 240 ms in streams, a lone step beside them 168 and 113 ms, and four requests with
+~1,000-token prompts finished in 0.81x the time in streams. With ~100-token prompts the two
+were even there (0.998x), and on the AVX2 EPYC four clients with such prompts got more tokens/s
+from the daemon unified in 7 of 7 interleaved rounds: short contexts are where unified can
+win, long ones (a voice assistant's system prompt, a chat's history) where streams do. What streams give
+up: a pass whose sequences bring different numbers of rows runs as several graphs (eval_many),
+and a prefix borrowed from another slot is copied rather than shared (Slot.share_prefix). Exact
+mode needs streams: in a shared buffer a sequence that grows into cells another freed leaves
+position order (kernels.py). Each slot may hold n_ctx tokens; the cache holds n_ctx x n_seq.
 """
 
 from __future__ import annotations
@@ -121,9 +125,10 @@ class RuntimeOptions:
     # llama.cpp's repacked weight layouts (use_extra_bufts); off for batch-invariant rows (kernels.py)
     repack: bool = True
     kv_type: KvType = "f16"  # KV cache element type (q8_0: kernels.py, exact mode)
-    # One buffer for all sequences (module docstring); False: a stream per sequence, whose cells
-    # stay in position order whatever the others do (exact mode with several requests, kernels.py).
-    kv_unified: bool = True
+    # False: a stream per sequence (the default, config runtime.kv_unified; module docstring),
+    # whose cells also stay in position order whatever the others do (exact mode, kernels.py).
+    # True: one buffer for all sequences.
+    kv_unified: bool = False
     # ggml's tiled matmul for passes of 8+ rows: True/False, None = llama.cpp's default. One
     # setting per process: the first Runtime's wins (kernels.fix_tiled_matmul).
     tiled_matmul: bool | None = None
@@ -332,7 +337,8 @@ class Runtime:
 
     @property
     def shares_cells(self) -> bool:
-        """Whether a slot can borrow another's prefix (Slot.share_prefix): one unified buffer."""
+        """One unified buffer: a pass attends over every slot's cells, and a slot borrows another's
+        prefix without a copy (Slot.share_prefix)."""
         return self.opts.kv_unified
 
     @property
@@ -665,13 +671,19 @@ class Slot:
             self.rt._hid_start = self.rt._hid_n = 0
 
     def share_prefix(self, src: Slot, n: int) -> None:
-        """Hold src's first n positions instead of what this slot held. In the unified cache the
-        cells are only tagged with this sequence as well (llama_memory_seq_cp): no copy, no
-        compute, no extra memory; truncating either sequence later leaves the other's intact."""
+        """Hold src's first n positions instead of what this slot held; truncating either
+        sequence later leaves the other's intact. In the unified cache the cells are only tagged
+        with this sequence as well (llama_memory_seq_cp): no copy, no compute, no extra memory.
+        Across streams llama.cpp copies only whole streams, and not before the next decode (a
+        state saved or loaded in between would be overwritten), so src's sequence travels as a
+        saved state instead and is cut at n: a copy of its cells (~28 KiB a token for the 1.5B
+        target), still far cheaper than reading n tokens again (~60 a second on 2 cores)."""
         if src.rt is not self.rt or src is self or not 0 <= n <= len(src.tokens):
             raise ValueError(f"share_prefix: {n} positions of a slot holding {len(src.tokens)}")
-        if not self.rt.shares_cells:  # across streams llama.cpp copies whole buffers only (it aborts)
-            raise ValueError("share_prefix: sequences in streams of their own share no cells")
+        if not self.rt.shares_cells:
+            self.load_state(src.save_state(), src.tokens)
+            self.truncate(n)
+            return
         self.reset()
         llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)
         self.tokens[:] = src.tokens[:n]  # in place: Runtime.tokens is slot 0's list

@@ -209,8 +209,8 @@ class Host:
         """Prefix reuse: the best saved conversation goes live; or, with reuse off, start cold."""
         if self.prefix_cache is not None:
             target = self.models.target
-            # Sequences in streams of their own (exact mode) share no cells.
-            peers = [target.slot(i) for i in range(self.slots) if i != slot] if target.shares_cells else []
+            # (In streams of their own a borrowed prefix is copied, in one buffer shared: Slot.share_prefix.)
+            peers = [target.slot(i) for i in range(self.slots) if i != slot]
             self.prefix_cache.prepare(target.slot(slot), tokens, peers)
             return
         self._empty(slot)
@@ -252,7 +252,7 @@ class Host:
         over all cells in use, though (7 % for a lone request beside three idle 1,500-token
         histories, runtime.py), so once at most one request runs, every idle slot but 0 hands its
         history to the prefix cache (~8 ms for 600 tokens) and empties. Slot 0 keeps its history:
-        a lone user's next turn finds it there. (Streams of their own, exact mode: no such cost.)"""
+        a lone user's next turn finds it there. (A stream per slot, the default: no such cost.)"""
         if len(busy) > 1 or not self.models.target.shares_cells:
             return
         for s in range(1, self.slots):

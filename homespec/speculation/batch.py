@@ -18,10 +18,12 @@ tiled-matmul threshold (llama/kernels.py), so decode steps share a pass only up 
 together, those that waited longest first, and a prompt is read in passes of its own, cut at
 n_batch as a lone request's prompt is, taking turns with the decode rounds of its priority (a
 prompt of lower priority waits until no higher decode runs: a chunk of n_batch tokens holds the
-pass for seconds). Every request then computes exactly the rows it would compute alone. Exact
-mode keeps a KV stream per sequence, and llama.cpp runs such a pass as one graph per run of
-neighbouring slots with steps of equal length (runtime.py eval_many): its time is no measure of
-one pass of its rows, so it teaches the cost model nothing.
+pass for seconds). Every request then computes exactly the rows it would compute alone. With a
+KV stream per sequence (the default; exact mode needs it) llama.cpp runs a pass as one graph per
+run of neighbouring slots with steps of equal length (runtime.py eval_many); a narrow pass mixes
+such shapes on purpose, so its time is no measure of one pass of its rows and teaches the cost
+model nothing. A wide pass teaches it what its shape cost: beside others, a draft that makes a
+graph of its own is priced so, which is what it costs.
 """
 
 from __future__ import annotations

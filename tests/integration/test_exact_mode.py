@@ -19,6 +19,7 @@ from homespec.speculation.constraints import json_schema_grammar
 from homespec.speculation.engine import Engine, FixedPolicy
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.tokens import common_prefix
 from tests.conftest import DRAFT, TARGET, require
 from tests.integration.exactness import batch_noise, encode
 
@@ -200,10 +201,24 @@ def test_in_exact_mode_a_sequence_that_grows_into_cells_another_freed_computes_i
 
 
 @pytest.mark.integration
-def test_in_exact_mode_slots_share_no_prefix_cells_and_say_so_instead_of_aborting(exact_slots):
+def test_in_exact_mode_a_prefix_borrowed_from_another_stream_reads_bit_for_bit_as_its_own(exact_slots):
+    """Across streams a borrowed prefix is a copy of the lender's cells (llama.cpp would abort a
+    partial cross-stream seq_cp); the borrower's next rows equal those of a slot that read the
+    prefix itself, exactly."""
     rt, _ = exact_slots
     assert not rt.shares_cells
-    rt.slot(1).eval(encode(rt, PROMPTS[0]), "last")
-    with pytest.raises(ValueError, match="share no cells"):
-        rt.slot(0).share_prefix(rt.slot(1), 4)  # llama.cpp would abort: partial cross-stream copy
-    rt.slot(1).reset()
+    lender_prompt, prompt = encode(rt, PROMPTS[0]), encode(rt, PROMPTS[1])
+    n = common_prefix(lender_prompt, prompt)
+    assert n >= 16  # the chat template's system prompt
+    lender, borrower, reader = rt.slot(1), rt.slot(0), rt.slot(2)
+    for s in (lender, borrower, reader):
+        s.reset()
+    lender.eval(lender_prompt, "last")
+    borrower.share_prefix(lender, n)
+    assert borrower.tokens == prompt[:n] and lender.tokens == lender_prompt
+    reader.eval(prompt[:n], "none")
+    lender.reset()  # the copy outlives its source
+    got, want = borrower.eval(prompt[n:], "all"), reader.eval(prompt[n:], "all")
+    assert float(np.abs(got - want).max()) == 0.0
+    for s in (borrower, reader):
+        s.reset()

@@ -124,11 +124,14 @@ def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_t
     assert sum(s.proposed for s in stats) > 0
 
 
-def test_a_prefix_borrowed_from_another_sequence_reads_as_its_own_and_outlives_the_lender(models, epsilon) -> None:
+@pytest.mark.parametrize("layout", ["streams", "unified"])
+def test_a_prefix_borrowed_from_another_sequence_reads_as_its_own_and_outlives_the_lender(models, epsilon, layout) -> None:
     """Slot.share_prefix (prefix_cache.prepare's peers): after a prefix shared from another
-    sequence, the rows are those of a sequence that read the prefix itself, up to batch noise,
-    and stay so once the lender's request ends and its slot empties."""
-    rt, _ = models
+    sequence (cells tagged in one unified buffer, copied across streams), the rows are those of a
+    sequence that read the prefix itself, up to batch noise, and stay so once the lender's
+    request ends and its slot empties."""
+    rt = models[0] if layout == "streams" else Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, n_seq=SLOTS, kv_unified=True))
+    assert rt.shares_cells == (layout == "unified")
     lender_prompt, prompt = encode(rt, PROMPTS[0]), encode(rt, PROMPTS[1])
     n = common_prefix(lender_prompt, prompt)
     assert n >= 16  # the chat template's system prompt
@@ -152,3 +155,5 @@ def test_a_prefix_borrowed_from_another_sequence_reads_as_its_own_and_outlives_t
     assert max(deltas) <= 2 * epsilon  # seen failing at 3.7 with the prefix not really shared
     for s in (borrower, reader):
         s.reset()
+    if rt is not models[0]:
+        rt.close()

@@ -30,8 +30,10 @@ def test_unquoted_yaml_off_and_on_read_as_the_words_not_as_booleans(tmp_path):
     ("runtime:\n  flash_attn: sometimes\n", r"runtime\.flash_attn"),
     # Exact mode needs flash attention: without it one-token and batched attention differ.
     ("runtime:\n  exact: true\n  flash_attn: 'off'\n", r"runtime.*exact.*flash_attn"),
+    # ... and a KV stream per sequence: in one shared buffer its cells leave position order.
+    ("runtime:\n  exact: true\n  kv_unified: true\n", r"runtime.*exact.*kv_unified"),
 ])
-def test_a_bad_flash_attention_setting_is_one_line_naming_the_field(tmp_path, text, field):
+def test_a_bad_attention_setting_is_one_line_naming_the_field(tmp_path, text, field):
     path = tmp_path / "config.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=field) as e:

@@ -52,10 +52,13 @@ def test_exact_mode_keeps_every_pass_below_the_tiled_threshold_all_requests_toge
 def test_exact_mode_loads_the_target_unpacked_with_flash_attention_a_q8_kv_cache_and_a_stream_per_sequence():
     cfg = Config()
     default = runtime_options(cfg, 0)
-    assert (default.repack, default.kv_type, default.flash_attn, default.kv_unified) == (True, "f16", False, True)
+    assert (default.repack, default.kv_type, default.flash_attn, default.kv_unified) == (True, "f16", False, False)
     cfg.runtime.exact = True
     exact = runtime_options(cfg, 0)
     assert (exact.repack, exact.kv_type, exact.flash_attn, exact.kv_unified) == (False, "q8_0", True, False)
     # A proposal is verified exactly whatever computed it: the draft model keeps the fast kernels.
     draft = runtime_options(cfg, 0, draft=True)
-    assert (draft.repack, draft.kv_type, draft.flash_attn, draft.kv_unified) == (True, "f16", False, True)
+    assert (draft.repack, draft.kv_type, draft.flash_attn, draft.kv_unified) == (True, "f16", False, False)
+    cfg.runtime.exact = False
+    cfg.runtime.kv_unified = True  # one shared buffer, when asked for
+    assert runtime_options(cfg, 0).kv_unified and runtime_options(cfg, 0, draft=True).kv_unified
