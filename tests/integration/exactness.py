@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from homespec.llama.template import ChatTemplate
+from homespec.tokens import common_prefix
 
 # Code, prose and a list: the noise differs with the content, and a dozen positions of one
 # prompt under-sample it.
@@ -83,3 +84,20 @@ def margin(row):
     return float(top2[1] - top2[0])
 
 
+
+
+def borrowed_prefix(rt, lender_text: str, text: str, lender, borrower, reader) -> tuple[list[int], int]:
+    """A prefix borrowed and the same prefix read, side by side: the lender slot reads
+    lender_text, the borrower takes (Slot.share_prefix) the prefix that it shares with `text`
+    (the chat template's system prompt), the reader reads that prefix itself. Returns (text's
+    tokens, the prefix length)."""
+    lender_prompt, prompt = encode(rt, lender_text), encode(rt, text)
+    n = common_prefix(lender_prompt, prompt)
+    assert n >= 16  # the chat template's system prompt
+    for s in (lender, borrower, reader):
+        s.reset()
+    lender.eval(lender_prompt, "none")
+    borrower.share_prefix(lender, n)
+    assert borrower.tokens == prompt[:n] and lender.tokens == lender_prompt
+    reader.eval(prompt[:n], "none")
+    return prompt, n

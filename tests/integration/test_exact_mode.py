@@ -19,9 +19,8 @@ from homespec.speculation.constraints import json_schema_grammar
 from homespec.speculation.engine import Engine, FixedPolicy
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
-from homespec.tokens import common_prefix
 from tests.conftest import DRAFT, TARGET, require
-from tests.integration.exactness import batch_noise, encode
+from tests.integration.exactness import batch_noise, borrowed_prefix, encode
 
 # A context past 256 tokens makes llama.cpp's one-token passes span 512 KV cells, where an f16
 # cache would take a split softmax that batched passes do not.
@@ -207,16 +206,8 @@ def test_in_exact_mode_a_prefix_borrowed_from_another_stream_reads_bit_for_bit_a
     prefix itself, exactly."""
     rt, _ = exact_slots
     assert not rt.shares_cells
-    lender_prompt, prompt = encode(rt, PROMPTS[0]), encode(rt, PROMPTS[1])
-    n = common_prefix(lender_prompt, prompt)
-    assert n >= 16  # the chat template's system prompt
     lender, borrower, reader = rt.slot(1), rt.slot(0), rt.slot(2)
-    for s in (lender, borrower, reader):
-        s.reset()
-    lender.eval(lender_prompt, "last")
-    borrower.share_prefix(lender, n)
-    assert borrower.tokens == prompt[:n] and lender.tokens == lender_prompt
-    reader.eval(prompt[:n], "none")
+    prompt, n = borrowed_prefix(rt, PROMPTS[0], PROMPTS[1], lender, borrower, reader)
     lender.reset()  # the copy outlives its source
     got, want = borrower.eval(prompt[n:], "all"), reader.eval(prompt[n:], "all")
     assert float(np.abs(got - want).max()) == 0.0

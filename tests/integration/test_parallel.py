@@ -13,9 +13,8 @@ from homespec.speculation.batch import Batch
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
-from homespec.tokens import common_prefix
 from tests.conftest import DRAFT, TARGET, require
-from tests.integration.exactness import encode, first_divergence, margin
+from tests.integration.exactness import borrowed_prefix, encode, first_divergence, margin
 from tests.integration.test_exactness import PROMPTS
 
 pytestmark = pytest.mark.integration
@@ -132,16 +131,8 @@ def test_a_prefix_borrowed_from_another_sequence_reads_as_its_own_and_outlives_t
     request ends and its slot empties."""
     rt = models[0] if layout == "streams" else Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, n_seq=SLOTS, kv_unified=True))
     assert rt.shares_cells == (layout == "unified")
-    lender_prompt, prompt = encode(rt, PROMPTS[0]), encode(rt, PROMPTS[1])
-    n = common_prefix(lender_prompt, prompt)
-    assert n >= 16  # the chat template's system prompt
     lender, borrower, reader = rt.slot(1), rt.slot(2), rt.slot(3)
-    for s in (lender, borrower, reader):
-        s.reset()
-    lender.eval(lender_prompt, "none")
-    borrower.share_prefix(lender, n)
-    assert borrower.tokens == prompt[:n] and lender.tokens == lender_prompt
-    reader.eval(prompt[:n], "none")
+    prompt, n = borrowed_prefix(rt, PROMPTS[0], PROMPTS[1], lender, borrower, reader)
     got, want = borrower.eval(prompt[n:], "last")[0], reader.eval(prompt[n:], "last")[0]
     lender.reset()
     deltas = []
