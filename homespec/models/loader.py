@@ -171,6 +171,8 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         target.n_threads,
     )
     o = target.opts
-    log.info("llama.cpp kernels: %s weights, tiled matmul %s, %s KV cache%s", "repacked" if o.repack else "unpacked",
-             "on" if target.tiled_matmul else "off", o.kv_type, ", exact mode (batch-invariant rows)" if cfg.runtime.exact else "")
+    log.info("llama.cpp kernels: %s weights, tiled matmul %s, %s KV cache%s%s", "repacked" if o.repack else "unpacked",
+             "on" if target.tiled_matmul else "off", o.kv_type,
+             ("" if slots == 1 else " in one buffer" if o.kv_unified else ", a stream per slot"),
+             ", exact mode (batch-invariant rows)" if cfg.runtime.exact else "")
     return ms
