@@ -77,9 +77,10 @@ class PrefixCache:
         """Put the best cached history for `prompt` into rt's KV cache; return the shared prefix.
 
         peers: the other sequences of rt's context, running or idle. One that shares more of the
-        prompt than the live cache and every saved state lends its prefix (share_prefix: free in
-        the unified cache, a copy of its cells across streams). Requests of different apps share the chat template's system prompt,
-        and a voice command beside three long answers then reads only its own words.
+        prompt than the live cache and every saved state lends its prefix (share_prefix: a copy
+        of its cells across streams, free in a unified cache). Requests of different apps share
+        the chat template's system prompt, and a voice command beside three long answers then
+        reads only its own words.
 
         After this, rt.sync(prompt) re-evaluates only what follows the returned length.
         """

@@ -209,7 +209,7 @@ class Host:
         """Prefix reuse: the best saved conversation goes live; or, with reuse off, start cold."""
         if self.prefix_cache is not None:
             target = self.models.target
-            # (In streams of their own a borrowed prefix is copied, in one buffer shared: Slot.share_prefix.)
+            # Any slot may lend its prefix (Slot.share_prefix: copied across streams, shared in one buffer).
             peers = [target.slot(i) for i in range(self.slots) if i != slot]
             self.prefix_cache.prepare(target.slot(slot), tokens, peers)
             return

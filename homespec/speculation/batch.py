@@ -20,10 +20,10 @@ n_batch as a lone request's prompt is, taking turns with the decode rounds of it
 prompt of lower priority waits until no higher decode runs: a chunk of n_batch tokens holds the
 pass for seconds). Every request then computes exactly the rows it would compute alone. With a
 KV stream per sequence (the default; exact mode needs it) llama.cpp runs a pass as one graph per
-run of neighbouring slots with steps of equal length (runtime.py eval_many); a narrow pass mixes
-such shapes on purpose, so its time is no measure of one pass of its rows and teaches the cost
-model nothing. A wide pass teaches it what its shape cost: beside others, a draft that makes a
-graph of its own is priced so, which is what it costs.
+run of neighbouring slots with steps of equal length (runtime.py eval_many). A narrow pass
+often holds steps of unequal length, so its time is no measure of one pass of its rows and
+teaches the cost model nothing. A wide pass does teach it: what a pass of that many rows cost,
+split graphs included, which is what a draft that splits it costs beside others.
 """
 
 from __future__ import annotations
