@@ -23,12 +23,13 @@ histories: on a 2-core Xeon, four one-row steps beside four 2,000-token historie
 unified and 240 ms in streams, a lone step beside them 168 and 113 ms, and four requests with
 ~1,000-token prompts finished in 0.81x the time in streams. With ~100-token prompts the two
 were even there (0.998x), and on the AVX2 EPYC four clients with such prompts got more tokens/s
-from the daemon unified in 7 of 7 interleaved rounds: short contexts are where unified can
-win, long ones (a voice assistant's system prompt, a chat's history) where streams do. What streams give
-up: a pass whose sequences bring different numbers of rows runs as several graphs (eval_many),
-and a prefix borrowed from another slot is copied rather than shared (Slot.share_prefix). Exact
-mode needs streams: in a shared buffer a sequence that grows into cells another freed leaves
-position order (kernels.py). Each slot may hold n_ctx tokens; the cache holds n_ctx x n_seq.
+from the daemon unified in 7 of 7 interleaved rounds: short contexts are where unified can win,
+long ones (a voice assistant's system prompt, a chat's history) where streams do. What streams
+give up: a pass whose sequences bring different numbers of rows runs as several graphs
+(eval_many), and a prefix borrowed from another slot is copied rather than shared
+(Slot.share_prefix). Exact mode needs streams: in a shared buffer a sequence that grows into
+cells another freed leaves position order (kernels.py). Each slot may hold n_ctx tokens; the
+cache holds n_ctx x n_seq.
 """
 
 from __future__ import annotations
