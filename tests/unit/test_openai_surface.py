@@ -5,9 +5,8 @@ shapes, refusals and stream lines are checked in seconds without weights."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,17 +28,24 @@ WAIT_S = 60
 
 
 class SlowRuntime(FakeRuntime):
-    """A pass costs `delay_s`, so a stream lasts long enough for keep-alive pings to be due."""
+    """A pass costs `delay_s`, so a stream lasts long enough for keep-alive pings to be due;
+    `on_pass`, when set, runs at each pass (on the worker thread, while the requests are live)."""
 
     delay_s = 0.0
+    on_pass: Callable[[], None] | None = None
 
     def eval(self, tokens: Sequence[int], output: str = "all") -> Any:
-        time.sleep(self.delay_s)
+        self._pass()
         return super().eval(tokens, output)
 
     def eval_many(self, parts: Any) -> Any:
-        time.sleep(self.delay_s)
+        self._pass()
         return super().eval_many(parts)
+
+    def _pass(self) -> None:
+        if SlowRuntime.on_pass is not None:
+            SlowRuntime.on_pass()
+        time.sleep(self.delay_s)
 
 
 class ScriptedModels:
@@ -207,22 +213,14 @@ def test_concurrent_streams_each_get_exactly_their_answer_alone_while_sharing_pa
     alone = [chat_with(url, p) for p in prompts]
     SlowRuntime.delay_s = 0.05  # passes last long enough for the four to overlap on a busy box
     seen_running: list[int] = []
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            seen_running.append(len(daemon.running_view()))  # what /v1/homespec/stats lists
-            time.sleep(0.05)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+    # Read at each pass, not by a timer: a timer on a loaded box can miss a burst this short.
+    SlowRuntime.on_pass = lambda: seen_running.append(len(daemon.running_view()))  # what /v1/homespec/stats lists
     try:
         with ThreadPoolExecutor(4) as pool:
             clients = [client(url) for _ in prompts]  # made first: a client's setup must not stagger the starts
             together = list(pool.map(lambda cp: chat_with(url, cp[1], stream=True, c=cp[0]), zip(clients, prompts)))
     finally:
-        stop.set()
-        watcher.join()
+        SlowRuntime.on_pass = None
         SlowRuntime.delay_s = 0.0
     assert together == alone
     assert max(seen_running) >= 2  # several requests were running at once
