@@ -101,7 +101,14 @@ class PrefixCache:
             self.shares += 1
             log.debug("shared %d tokens of the prompt with another sequence", lent)
             return lent
-        entry = self._entries.pop(best_id) if best_id is not None else None
+        entry = self._entries[best_id] if best_id is not None else None
+        if entry is not None:
+            if len(entry.tokens) - best_len < self.min_tokens:
+                del self._entries[best_id]  # the slot takes it over (and saves it again, grown, when it leaves)
+            else:
+                # It lends only its prefix (a system prompt, an earlier turn): its own history
+                # stays saved for its return, as a peer's does (the state bytes are shared, not copied).
+                self._entries.move_to_end(best_id)
         self._save_live(rt, keep=live)
         if entry is None:
             return live

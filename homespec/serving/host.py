@@ -229,10 +229,12 @@ class Host:
         return self.models.target.n_seq
 
     def pick_slot(self, tokens: Sequence[int], free: Sequence[int]) -> int:
-        """The free slot whose cache shares the longest prefix with the prompt (a chat's next
-        turn finds its history: an ended request's history stays in its slot while others run,
-        release_slot); among equals, the one that holds the least other history (an empty slot
-        loses none; a history replaced goes to the prefix cache), then the lowest number. With an
+        """The free slot that loses the least history to the prompt: one whose history the prompt
+        continues (a chat's next turn: an ended request's history stays in its slot while others
+        run, release_slot) or an empty one; among equals, the one sharing the longest prefix, then
+        the lowest number. A prefix shared with a slot that would lose more (the chat template's
+        system prompt, an edited turn) is borrowed from it instead (_prepare_cache), so that
+        history stays for its own next turn rather than going through the prefix cache. With an
         MTP head, slot 0 whenever it is free: only there does the head draft (the prefix cache
         restores a history anyway)."""
         if self.models.mtp_head is not None and 0 in free:
@@ -241,7 +243,7 @@ class Host:
         def fit(i: int) -> tuple[int, int, int]:
             held = self.models.target.slot(i).tokens
             shared = common_prefix(held, tokens)
-            return shared, shared - len(held), -i
+            return shared - len(held), shared, -i  # (minus the tokens lost, shared, lowest number)
 
         return max(free, key=fit)
 

@@ -21,7 +21,7 @@ from homespec.serving.daemon import Daemon
 from homespec.serving.host import Host
 from tests.integration.server_fixtures import ThreadServer, wait_for
 
-from .fakes import FakeRuntime
+from .fakes import FakeRuntime, FakeSlot
 
 VOCAB = 64
 WAIT_S = 60
@@ -33,6 +33,10 @@ class SlowRuntime(FakeRuntime):
 
     delay_s = 0.0
     on_pass: Callable[[], None] | None = None
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._slots = [self] + [_SlowSlot(self, i) for i in range(1, self.n_seq)]  # every slot's pass is slow
 
     def eval(self, tokens: Sequence[int], output: str = "all") -> Any:
         self._pass()
@@ -46,6 +50,14 @@ class SlowRuntime(FakeRuntime):
         if SlowRuntime.on_pass is not None:
             SlowRuntime.on_pass()
         time.sleep(self.delay_s)
+
+
+class _SlowSlot(FakeSlot):
+    """A sequence of a SlowRuntime other than 0: its lone passes cost what the runtime's do."""
+
+    def eval(self, tokens: Sequence[int], output: str = "all") -> Any:
+        self.rt._pass()  # type: ignore[attr-defined]
+        return FakeRuntime.eval(self, tokens, output)
 
 
 class ScriptedModels:

@@ -76,6 +76,22 @@ def test_switching_back_to_an_earlier_conversation_restores_its_saved_cache():
     assert out == cold(a2)
 
 
+def test_a_saved_history_that_lends_only_its_prefix_stays_saved_for_its_own_return():
+    """A new conversation that shares only the system prompt with a saved one restores that
+    state to skip the system prompt; the saved conversation must not be lost by it."""
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    a = SYSTEM_A + list(range(100, 160))  # a long first conversation
+    out_a, _ = chat(eng, cache, a)
+    chat(eng, cache, SYSTEM_B + [1])  # saves A
+    b = SYSTEM_A + [5]  # shares A's system prompt only
+    chat(eng, cache, b)
+    assert cache.restores == 1  # the system prompt came from A's save
+    a2 = a + out_a + [4]
+    out, st = chat(eng, cache, a2)  # A's next turn
+    assert cache.restores == 2 and st.cached_tokens == len(a) + len(out_a) - 1
+    assert out == cold(a2)
+
+
 def test_short_histories_are_not_worth_saving():
     eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=100)
     chat(eng, cache, SYSTEM_A)
@@ -127,6 +143,8 @@ def test_a_returning_conversation_finds_the_slot_that_kept_its_history_and_a_new
     assert host.pick_slot(other[:40] + [9], free=[0, 2]) == 0  # the longer shared prefix wins
     third = [(7 * i + 2) % 59 for i in range(100)]
     assert host.pick_slot(third, free=[0, 1]) == 1  # nothing shared: the empty slot, though numbered higher
+    # Sharing a system prompt is no reason to evict a history: an empty slot borrows the prefix.
+    assert host.pick_slot([*history[:30], 8], free=[1, 2]) == 1
     host._prepare_cache(other, 2)  # a new conversation in slot 2 all the same: the old one is saved
     assert host.prefix_cache is not None and len(host.prefix_cache) == 1
     assert host.prefix_cache.prepare(target.slot(0), [*history, 7]) == len(history)  # restored in any slot
