@@ -93,7 +93,7 @@ def test_a_long_prompt_is_read_in_chunks_while_running_requests_keep_decoding() 
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
     events: dict[Hashable, list[Event]] = {"short": [], "long": []}
     events["short"] += batch.add("short", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=60))
-    for key, ev in round_events(batch):  # its prompt, alone: read whole
+    for key, ev in round_events(batch):  # its prompt, alone: one chunk
         events[key].append(ev)
     long_prompt = [(7 * i) % 60 for i in range(300)]
     events["long"] += batch.add("long", Engine(rt.slot(1)).steps(long_prompt, max_tokens=5))
@@ -117,14 +117,16 @@ def test_a_higher_priority_prompt_is_read_first_and_alone_while_lower_decodes_si
     rt = FakeRuntime(n_seq=3)
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=4)
     batch.add("running", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=50))
-    round_events(batch)
+    while not round_events(batch):  # its prompt, in chunks of 4, to its first token
+        pass
     batch.add("low", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=5), priority=0)
     batch.add("high", Engine(rt.slot(2)).steps(PROMPTS[2], max_tokens=5), priority=5)
-    events = round_events(batch)
-    # The high-priority prompt, whole (as on an idle daemon), in a pass of its own: through its
+    n = len(PROMPTS[2])
+    events = [ev for _ in range(-(-n // 4)) for ev in round_events(batch)]
+    # The high-priority prompt, in chunks as on an idle daemon, in passes of its own: through its
     # own eval, with neither the running decode nor the other prompt.
-    assert rt.slot(2).evals == [len(PROMPTS[2])]
-    assert [key for key, _ in events] == ["high"]  # its first token; the others sat this round out
+    assert rt.slot(2).evals == [min(4, n - i) for i in range(0, n, 4)]
+    assert [key for key, _ in events] == ["high"]  # its first token; the others sat these rounds out
     events = round_events(batch)
     assert rt.passes[-1][0] == (0, 1) and {"running", "high"} <= {key for key, _ in events}  # all back together
 
@@ -232,7 +234,7 @@ def test_a_pass_of_one_request_runs_through_its_own_eval_as_alone() -> None:
     the hidden states the MTP head reads): no eval_many call."""
     rt = FakeRuntime(n_seq=2)
     drive(Batch(rt.eval_many, n_batch=512, prefill_chunk=8), {0: Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=5)})
-    assert rt.passes == [] and rt.evals[0] == len(PROMPTS[0])  # the prompt in one piece, alone
+    assert rt.passes == [] and rt.evals[:2] == [8, len(PROMPTS[0]) - 8]  # the prompt in chunks, alone
 
 
 def test_eval_many_rows_match_each_sequence_evaluated_alone() -> None:
