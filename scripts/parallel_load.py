@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=Path("config.yaml"))
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="0: only the priority TTFT (part 2)")
     ap.add_argument("--context-words", type=int, default=0, help="open each prompt with this many words of its own context")
     ap.add_argument("--peer", action="store_true", help="also run the load against llama-server -np N")
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
@@ -130,10 +130,11 @@ def main() -> None:
             for (kind, _), a, b in zip(prompts, alone, at_once):
                 print(f"    {kind:5s} alone {a['tokens']:4d} tok ttft {a['ttft']:.2f} s | at once {b['tokens']:4d} tok "
                       f"ttft {b['ttft']:.2f} s | {'same text' if a['text'] == b['text'] else 'text differs'}")
-        print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
-              f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
-              f"{same}/{total} texts identical")
-        for name, rates in peer_rates.items():
+        if args.rounds:
+            print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
+                  f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
+                  f"{same}/{total} texts identical")
+        for name, rates in peer_rates.items() if args.rounds else ():
             print(f"homespec / {name} -np {args.clients}, {args.clients} at once: "
                   f"{statistics.mean(par_rates):.2f} / {statistics.mean(rates):.2f} tok/s = "
                   f"{statistics.mean(par_rates) / statistics.mean(rates):.2f}x")
