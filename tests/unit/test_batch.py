@@ -131,6 +131,22 @@ def test_a_higher_priority_prompt_is_read_first_and_alone_while_lower_decodes_si
     assert rt.passes[-1][0] == (0, 1) and {"running", "high"} <= {key for key, _ in events}  # all back together
 
 
+def test_a_request_arriving_while_a_lone_prompt_is_read_waits_one_chunk_not_the_whole_prompt() -> None:
+    """A voice command that comes while a chat's long prompt is read, with nothing else running."""
+    rt = FakeRuntime(n_seq=2, n_ctx=1024)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8)
+    long_prompt = [(7 * i) % 60 for i in range(200)]
+    batch.add("long", Engine(rt.slot(0)).steps(long_prompt, max_tokens=5))
+    assert round_events(batch) == [] and rt.slot(0).evals == [8]  # alone, it reads one chunk a round
+    batch.add("command", Engine(rt.slot(1)).steps(PROMPTS[2], max_tokens=5), priority=5)
+    events = [ev for _ in range(2) for ev in round_events(batch)]
+    assert [key for key, _ in events] == ["command"]  # its first token after its own 9 tokens
+    assert len(rt.slot(0).tokens) == 8  # the long prompt waited, one chunk read
+    while len(batch):
+        round_events(batch)
+    assert rt.slot(0).tokens[:200] == long_prompt  # and went on afterwards
+
+
 def test_removing_a_request_leaves_its_cache_consistent_and_the_others_running() -> None:
     rt = FakeRuntime(n_seq=2)
     want = alone(PROMPTS[1], FixedPolicy(), max_tokens=30)
