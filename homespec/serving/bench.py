@@ -215,8 +215,8 @@ class _AutoRecorder:
     def __init__(self, controller: Controller, steps: list[StepStats], expected: list[float]) -> None:
         self.c, self.steps, self.expected = controller, steps, expected
 
-    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
-        return self.c.begin(prompt, sampled, alongside)
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0, tokens_left: int | None = None) -> list[Proposer]:
+        return self.c.begin(prompt, sampled, alongside, tokens_left)
 
     def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         d = self.c.decide(context, alongside)

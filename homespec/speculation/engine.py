@@ -99,10 +99,10 @@ class Decision:
 
 
 class SpeculationPolicy(Protocol):
-    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0, tokens_left: int | None = None) -> list[Proposer]:
         """A generation over `prompt` starts (sampled: temperature > 0; alongside: as decide's,
-        for its first step): returns the proposers worth prefilling with it (the others catch up
-        when first used)."""
+        for its first step; tokens_left: the most tokens it may still emit): returns the
+        proposers worth prefilling with it (the others catch up when first used)."""
         ...
 
     def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
@@ -120,7 +120,7 @@ class FixedPolicy:
         on = proposer is not None and k > 0
         self.decision = Decision(proposer if on else None, k if on else 0)
 
-    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[Proposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0, tokens_left: int | None = None) -> list[Proposer]:
         p = self.decision.proposer
         return [p] if p is not None else []
 
@@ -347,7 +347,8 @@ class Engine:
                 return
             alongside = (yield event) or 0
             if prompt:  # the first token is out: a draft's prefill of the prompt is not in its TTFT
-                for proposer in policy.begin(prompt, not params.greedy, alongside):
+                left = max_tokens - st.completion_tokens
+                for proposer in policy.begin(prompt, not params.greedy, alongside, tokens_left=left):
                     proposer.begin(prompt)
                 prompt = []
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx

@@ -93,7 +93,7 @@ class _Hindsight:
         self.ngram, self.pass_s, self.k_max = ngram, pass_s, k_max
         self.prompt_len, self.output = 0, []  # the recording being replayed
 
-    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0) -> list[NgramProposer]:
+    def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0, tokens_left: int | None = None) -> list[NgramProposer]:
         rec = next(self._next)
         assert list(prompt) == rec.prompt, "replayed out of order"
         self.prompt_len, self.output = len(prompt), rec.output

@@ -175,6 +175,18 @@ def test_a_proposer_that_cannot_pay_even_when_always_right_is_never_probed():
     assert c.begin([1, 2, 3]) == []
 
 
+def test_a_draft_reads_the_prompt_only_when_the_tokens_left_can_pay_its_prefill_back():
+    m = Machine(gpu_cost, {"draft": 0.95}, draft_s=0.002, ngram_cont=0)
+    c = m.controller(proposers=("draft",))
+    m.run(c, 100)  # drafting pays: 0.95 acceptance, a cheap draft, a flat verify curve
+    assert c.view.proposer == "draft"
+    draft = c.proposers["draft"]
+    assert c.begin([0] * 100, tokens_left=512) == [draft]  # 0.2 s of prefill, seconds saved
+    long_prompt = [0] * 4000  # 8 s of prefill: 16 tokens cannot save that
+    assert c.begin(long_prompt, tokens_left=16) == []
+    assert c.begin(long_prompt) == [draft]  # no bound given: as before
+
+
 def test_a_long_ngram_match_is_tried_on_first_sight():
     m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=16)  # peek reports match length 5
     c = m.controller(proposers=("ngram",))
