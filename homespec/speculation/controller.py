@@ -270,8 +270,8 @@ class Controller:
             if best.rate < self._bar(plain):
                 continue
             # Reading the prompt stalls this request and each beside it (~1 row apiece) once: a
-            # 1,000-token prompt is ~8 s for the 0.5B draft on 2 cores, more than 160 tokens
-            # drafted at 1.2x could save. Only a prefill the tokens left can pay back is run.
+            # 960-token prompt held the worker ~10 s with the 0.5B draft on 2 cores, more than 160
+            # tokens drafted at 1.2x could save. Only a prefill the tokens left can pay back is run.
             if tokens_left is not None and best.rate > 0 and plain.rate > 0:
                 saved_s = tokens_left * (1 / plain.rate - 1 / best.rate)
                 if saved_s < self.cost.catchup(name, len(prompt)) * (1 + alongside):
