@@ -271,10 +271,11 @@ class Controller:
                 continue
             # Reading the prompt stalls this request and each beside it (~1 row apiece) once: a
             # 960-token prompt held the worker ~10 s with the 0.5B draft on 2 cores, more than 160
-            # tokens drafted at 1.2x could save. Only a prefill the tokens left can pay back is run.
+            # tokens drafted at 1.2x could save. Only a prefill the tokens left can pay back is run
+            # (of what the proposer has not read: a chat's next turn finds its history there).
             if tokens_left is not None and best.rate > 0 and plain.rate > 0:
                 saved_s = tokens_left * (1 / plain.rate - 1 / best.rate)
-                if saved_s < self.cost.catchup(name, len(prompt)) * (1 + alongside):
+                if saved_s < self.cost.catchup(name, p.lag(prompt)) * (1 + alongside):
                     continue
             out.append(p)
         return out

@@ -181,10 +181,14 @@ def test_a_draft_reads_the_prompt_only_when_the_tokens_left_can_pay_its_prefill_
     m.run(c, 100)  # drafting pays: 0.95 acceptance, a cheap draft, a flat verify curve
     assert c.view.proposer == "draft"
     draft = c.proposers["draft"]
+    draft.behind = 100  # tokens of the prompt it has not read
     assert c.begin([0] * 100, tokens_left=512) == [draft]  # 0.2 s of prefill, seconds saved
-    long_prompt = [0] * 4000  # 8 s of prefill: 16 tokens cannot save that
+    long_prompt = [0] * 4000
+    draft.behind = 4000  # 8 s of prefill: 16 tokens cannot save that
     assert c.begin(long_prompt, tokens_left=16) == []
     assert c.begin(long_prompt) == [draft]  # no bound given: as before
+    draft.behind = 20  # a chat's next turn: the draft holds the history, 20 new tokens to read
+    assert c.begin(long_prompt, tokens_left=16) == [draft]
 
 
 def test_a_long_ngram_match_is_tried_on_first_sight():
