@@ -134,10 +134,10 @@ def main() -> None:
             print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
                   f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
                   f"{same}/{total} texts identical")
-        for name, rates in peer_rates.items() if args.rounds else ():
-            print(f"homespec / {name} -np {args.clients}, {args.clients} at once: "
-                  f"{statistics.mean(par_rates):.2f} / {statistics.mean(rates):.2f} tok/s = "
-                  f"{statistics.mean(par_rates) / statistics.mean(rates):.2f}x")
+            for name, rates in peer_rates.items():
+                print(f"homespec / {name} -np {args.clients}, {args.clients} at once: "
+                      f"{statistics.mean(par_rates):.2f} / {statistics.mean(rates):.2f} tok/s = "
+                      f"{statistics.mean(par_rates) / statistics.mean(rates):.2f}x")
 
         rooms = iter(["kitchen", "hallway", "bedroom", "garage", "office", "porch", "attic", "cellar"])
 

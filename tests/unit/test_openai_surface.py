@@ -47,8 +47,8 @@ class SlowRuntime(FakeRuntime):
         return super().eval_many(parts)
 
     def _pass(self) -> None:
-        if SlowRuntime.on_pass is not None:
-            SlowRuntime.on_pass()
+        if self.on_pass is not None:
+            self.on_pass()
         time.sleep(self.delay_s)
 
 
@@ -227,13 +227,13 @@ def test_concurrent_streams_each_get_exactly_their_answer_alone_while_sharing_pa
     target.delay_s = 0.05  # passes last long enough for the four to overlap on a busy box
     seen_running: list[int] = []
     # Read at each pass, not by a timer: a timer on a loaded box can miss a burst this short.
-    SlowRuntime.on_pass = lambda: seen_running.append(len(daemon.running_view()))  # what /v1/homespec/stats lists
+    target.on_pass = lambda: seen_running.append(len(daemon.running_view()))  # what /v1/homespec/stats lists
     try:
         with ThreadPoolExecutor(4) as pool:
             clients = [client(url) for _ in prompts]  # made first: a client's setup must not stagger the starts
             together = list(pool.map(lambda cp: chat_with(url, cp[1], stream=True, c=cp[0]), zip(clients, prompts)))
     finally:
-        SlowRuntime.on_pass = None
+        target.on_pass = None
         target.delay_s = 0.0
     assert together == alone
     assert max(seen_running) >= 2  # several requests were running at once
