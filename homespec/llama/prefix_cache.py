@@ -33,9 +33,9 @@ log = logging.getLogger("homespec.llama.prefix_cache")
 class _StatefulRuntime(Protocol):
     tokens: list[int]
 
-    def save_state(self) -> bytes: ...
+    def save_state(self) -> bytes | bytearray: ...
 
-    def load_state(self, data: bytes, tokens: Sequence[int]) -> None: ...
+    def load_state(self, data: bytes | bytearray, tokens: Sequence[int]) -> None: ...
 
     def share_prefix(self, src: Any, n: int) -> None: ...  # src: another sequence of the same context
 
@@ -43,7 +43,7 @@ class _StatefulRuntime(Protocol):
 @dataclass
 class _Entry:
     tokens: list[int]  # what the saved cache holds, position i = tokens[i]
-    state: bytes  # llama.cpp's serialised KV cells of the sequence
+    state: bytes | bytearray  # llama.cpp's serialised KV cells of the sequence
 
     @property
     def nbytes(self) -> int:

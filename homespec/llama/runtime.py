@@ -436,21 +436,27 @@ class Runtime:
 
     # -- saved states (prefix cache) ----------------------------------------------------------
 
-    def save_state(self) -> bytes:
+    def save_state(self) -> bytearray:
         """The KV cache of seq 0 as bytes (restore with load_state)."""
         return self._slots[0].save_state()
 
-    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+    def load_state(self, data: bytes | bytearray, tokens: Sequence[int]) -> None:
         self._slots[0].load_state(data, tokens)  # (a restored cache comes without hidden states)
 
-    def _save_seq(self, seq: int) -> bytes:
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)
-        buf = (ctypes.c_uint8 * size)()
-        n = llama_cpp.llama_state_seq_get_data(self._ctx, buf, size, seq)
-        return ctypes.string_at(buf, n)  # one copy; bytes(buf[:n]) built a list of n ints first
+    def _save_seq(self, seq: int) -> bytearray:
+        # llama.cpp writes straight into the buffer the caller keeps. A copy is no memcpy here
+        # but fresh pages: a 1,228-token state of the 1.5B target (34 MiB) took 49 ms (first
+        # time 279) through a ctypes buffer and string_at, 24 ms this way (2-core Xeon VM).
+        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)  # bytes
+        buf = bytearray(size)
+        n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
+        del buf[n:]
+        return buf
 
-    def _load_seq(self, seq: int, data: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    def _load_seq(self, seq: int, data: bytes | bytearray) -> bool:
+        # A bytearray (what _save_seq returns) is read in place: the copy took 29 ms for 34 MiB.
+        view = (ctypes.c_uint8 * len(data))
+        buf = view.from_buffer_copy(data) if isinstance(data, bytes) else view.from_buffer(data)
         return llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq) != 0
 
     # -- vocabulary ---------------------------------------------------------------------------
@@ -689,11 +695,11 @@ class Slot:
         llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)
         self.tokens[:] = src.tokens[:n]  # in place: Runtime.tokens is slot 0's list
 
-    def save_state(self) -> bytes:
+    def save_state(self) -> bytearray:
         """This sequence's KV cache as bytes (restore with load_state)."""
         return self.rt._save_seq(self.seq)
 
-    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+    def load_state(self, data: bytes | bytearray, tokens: Sequence[int]) -> None:
         self.reset()
         if not self.rt._load_seq(self.seq, data):
             self.reset()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
+import weakref
 from typing import Any
 
 from fastapi import Request
@@ -160,6 +162,49 @@ def submit(request: Request, job: Job) -> Bridge:
     return bridge
 
 
+class _Mailbox:
+    """Events from the worker thread into one event loop, one wake-up for all that arrive together.
+
+    call_soon_threadsafe writes to the loop's self-pipe each time: once per token and request,
+    that was 1.3 % of the worker's time with four requests streaming (py-spy). A pass's tokens
+    now go over in one wake-up, in the order they were posted."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[JobEvent], JobEvent]] = []
+
+    def post(self, queue: asyncio.Queue[JobEvent], ev: JobEvent) -> None:
+        with self._lock:
+            self._items.append((queue, ev))
+            if len(self._items) > 1:
+                return  # a wake-up is already on its way and will take this one too
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
+_mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    """The loop's shared mailbox (keyed weakly: tests start and close many loops)."""
+    try:
+        box = _mailboxes.get(loop)
+        if box is None:
+            box = _mailboxes[loop] = _Mailbox(loop)
+        return box
+    except TypeError:  # a loop without weak references (uvloop's): a mailbox per request still works
+        return _Mailbox(loop)
+
+
 class Bridge:
     """Worker-thread events -> an asyncio queue in the request's loop."""
 
@@ -169,12 +214,10 @@ class Bridge:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[JobEvent] = asyncio.Queue()
         self._checked = self.loop.time()
+        self._mailbox = _mailbox(self.loop)
 
     def sink(self, ev: JobEvent) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
-        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
-            pass
+        self._mailbox.post(self.queue, ev)
 
     async def next(self, request: Request, job: Job) -> JobEvent:
         """The next event, cancelling the job if the client disconnects meanwhile (ClientGone)
