@@ -30,24 +30,53 @@ from homespec.tokens import common_prefix
 log = logging.getLogger("homespec.llama.prefix_cache")
 
 
+@dataclass(eq=False)
+class KvState:
+    """One sequence's KV cells as llama.cpp serialises them: the first `size` bytes of `buf`, which
+    may be longer (a buffer used again; see PrefixCache's spare buffers)."""
+
+    buf: bytearray
+    size: int  # bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)  # bytes held in RAM
+
+
 class _StatefulRuntime(Protocol):
     tokens: list[int]
 
-    def save_state(self) -> bytes | bytearray: ...
+    def save_state(self, into: bytearray | None = None) -> KvState: ...
 
-    def load_state(self, data: bytes | bytearray, tokens: Sequence[int]) -> None: ...
+    def load_state(self, state: KvState, tokens: Sequence[int]) -> None: ...
 
-    def share_prefix(self, src: Any, n: int) -> None: ...  # src: another sequence of the same context
+    # src: another sequence of the same context; returns the buffer a copy went through, if any
+    def share_prefix(self, src: Any, n: int, scratch: bytearray | None = None) -> bytearray | None: ...
 
 
 @dataclass
 class _Entry:
     tokens: list[int]  # what the saved cache holds, position i = tokens[i]
-    state: bytes | bytearray  # llama.cpp's serialised KV cells of the sequence
+    state: KvState
 
     @property
     def nbytes(self) -> int:
-        return len(self.state) + 4 * len(self.tokens)
+        return self.state.nbytes + 4 * len(self.tokens)
+
+
+# Buffers of states that were used up (restored, superseded, or copied across for a shared
+# prefix) are kept to be written again: on a 2-core VM a fresh 34 MiB buffer (a 1,228-token state
+# of the 1.5B target) took 21-160 ms to fault in, and llama.cpp wrote into pages already there in
+# 4-7 ms. They count against the budget, and go before any saved history does.
+SPARE_BUFFERS = 2
+
+
+def state_buffer(size: int) -> bytearray:
+    """A new buffer for a state of `size` bytes, with room for the same conversation a little
+    longer (1/8 more, in 64 KiB steps: a 1,000-token state of the 1.5B target has room for ~125
+    more tokens), so that its next save fits the buffer this one leaves behind."""
+    step = 64 << 10  # bytes
+    return bytearray(-(-(size + size // 8) // step) * step)
 
 
 class PrefixCache:
@@ -61,6 +90,7 @@ class PrefixCache:
         # its TTFT.
         self.min_tokens = min_tokens  # tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
+        self._spare: list[bytearray] = []  # buffers to save into (SPARE_BUFFERS), oldest first
         self._next_id = 0
         self.restores = 0
         self.saves = 0
@@ -71,7 +101,7 @@ class PrefixCache:
 
     @property
     def bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return sum(e.nbytes for e in self._entries.values()) + sum(len(b) for b in self._spare)
 
     def prepare(self, rt: _StatefulRuntime, prompt: Sequence[int], peers: Sequence[_StatefulRuntime] = ()) -> int:
         """Put the best cached history for `prompt` into rt's KV cache; return the shared prefix.
@@ -97,14 +127,17 @@ class PrefixCache:
                 lender, lent = peer, n
         if lender is not None and lent >= best_len:  # a tie with a saved state: sharing is free
             self._save_live(rt, keep=live)
-            rt.share_prefix(lender, lent)
+            self._keep_spare(rt.share_prefix(lender, lent, scratch=self._take_spare()))
+            self._fit()
             self.shares += 1
             log.debug("shared %d tokens of the prompt with another sequence", lent)
             return lent
         entry = self._entries[best_id] if best_id is not None else None
+        taken = False
         if entry is not None:
             if len(entry.tokens) - best_len < self.min_tokens:
                 del self._entries[best_id]  # the slot takes it over (and saves it again, grown, when it leaves)
+                taken = True
             else:
                 # It lends only its prefix (a system prompt, an earlier turn): its own history
                 # stays saved for its return, as a peer's does (the state bytes are shared, not copied).
@@ -113,6 +146,9 @@ class PrefixCache:
         if entry is None:
             return live
         rt.load_state(entry.state, entry.tokens)
+        if taken:
+            self._keep_spare(entry.state.buf)
+            self._fit()
         self.restores += 1
         log.debug("restored a saved cache of %d tokens (%d shared with the prompt)", len(entry.tokens), best_len)
         return best_len
@@ -128,15 +164,34 @@ class PrefixCache:
         tokens = list(rt.tokens)
         # An older save of the same conversation (a prefix of this one) is superseded.
         for eid in [i for i, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
-            del self._entries[eid]
-        entry = _Entry(tokens, rt.save_state())
+            self._keep_spare(self._entries.pop(eid).state.buf)
+        entry = _Entry(tokens, rt.save_state(into=self._take_spare()))
         if entry.nbytes > self.budget:
             return
         self._entries[self._next_id] = entry
         self._next_id += 1
         self.saves += 1
+        self._fit()
+
+    def _take_spare(self) -> bytearray | None:
+        """The largest spare buffer (the runtime writes into it if the state fits)."""
+        if not self._spare:
+            return None
+        return self._spare.pop(max(range(len(self._spare)), key=lambda i: len(self._spare[i])))
+
+    def _keep_spare(self, buf: bytearray | None) -> None:
+        if buf is not None:
+            self._spare.append(buf)
+            del self._spare[:-SPARE_BUFFERS]
+
+    def _fit(self) -> None:
+        """Within the budget: spare buffers go first, then the least recently used histories."""
         while self.bytes > self.budget:
-            self._entries.popitem(last=False)
+            if self._spare:
+                self._spare.pop(0)
+            else:
+                self._entries.popitem(last=False)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._spare.clear()

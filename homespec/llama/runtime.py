@@ -51,6 +51,7 @@ from homespec.llama.cpu_build import require_matching_build
 from homespec.llama.fim import FimTokens
 from homespec.llama.gguf_info import KvType
 from homespec.llama.kernels import fix_tiled_matmul
+from homespec.llama.prefix_cache import KvState, state_buffer
 from homespec.tokens import common_prefix
 
 require_matching_build()  # before llama.cpp loads: a build for another CPU dies with SIGILL
@@ -436,28 +437,27 @@ class Runtime:
 
     # -- saved states (prefix cache) ----------------------------------------------------------
 
-    def save_state(self) -> bytearray:
-        """The KV cache of seq 0 as bytes (restore with load_state)."""
-        return self._slots[0].save_state()
+    def save_state(self, into: bytearray | None = None) -> KvState:
+        """The KV cache of seq 0 (restore with load_state); written into `into` if it is large enough."""
+        return self._slots[0].save_state(into)
 
-    def load_state(self, data: bytes | bytearray, tokens: Sequence[int]) -> None:
-        self._slots[0].load_state(data, tokens)  # (a restored cache comes without hidden states)
+    def load_state(self, state: KvState, tokens: Sequence[int]) -> None:
+        self._slots[0].load_state(state, tokens)  # (a restored cache comes without hidden states)
 
-    def _save_seq(self, seq: int) -> bytearray:
+    def _save_seq(self, seq: int, into: bytearray | None) -> KvState:
         # llama.cpp writes straight into the buffer the caller keeps. A copy is no memcpy here
         # but fresh pages: a 1,228-token state of the 1.5B target (34 MiB) took 49 ms (first
-        # time 279) through a ctypes buffer and string_at, 24 ms this way (2-core Xeon VM).
+        # time 279) through a ctypes buffer and string_at, 24 ms into a new bytearray, 4-7 ms
+        # into one written before (2-core Xeon VM).
         size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)  # bytes
-        buf = bytearray(size)
+        buf = into if into is not None and len(into) >= size else state_buffer(size)
         n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
-        del buf[n:]
-        return buf
+        return KvState(buf, n)
 
-    def _load_seq(self, seq: int, data: bytes | bytearray) -> bool:
-        # A bytearray (what _save_seq returns) is read in place: the copy took 29 ms for 34 MiB.
-        view = (ctypes.c_uint8 * len(data))
-        buf = view.from_buffer_copy(data) if isinstance(data, bytes) else view.from_buffer(data)
-        return llama_cpp.llama_state_seq_set_data(self._ctx, buf, len(data), seq) != 0
+    def _load_seq(self, seq: int, state: KvState) -> bool:
+        # Read in place: a copy of 34 MiB took 29 ms.
+        buf = (ctypes.c_uint8 * state.size).from_buffer(state.buf)
+        return llama_cpp.llama_state_seq_set_data(self._ctx, buf, state.size, seq) != 0
 
     # -- vocabulary ---------------------------------------------------------------------------
 
@@ -677,31 +677,36 @@ class Slot:
         if self.seq == 0:
             self.rt._hid_start = self.rt._hid_n = 0
 
-    def share_prefix(self, src: Slot, n: int) -> None:
+    def share_prefix(self, src: Slot, n: int, scratch: bytearray | None = None) -> bytearray | None:
         """Hold src's first n positions instead of what this slot held; truncating either
         sequence later leaves the other's intact. In the unified cache the cells are only tagged
         with this sequence as well (llama_memory_seq_cp): no copy, no compute, no extra memory.
         Across streams llama.cpp copies only whole streams, and not before the next decode (a
         state saved or loaded in between would be overwritten), so src's sequence travels as a
         saved state instead and is cut at n: a copy of its cells (~28 KiB a token for the 1.5B
-        target), still far cheaper than reading n tokens again (~60 a second on 2 cores)."""
+        target), still far cheaper than reading n tokens again (~60 a second on 2 cores).
+
+        The copy goes through `scratch` when it is large enough; returns the buffer it went
+        through (None without a copy), for the caller to use again."""
         if src.rt is not self.rt or src is self or not 0 <= n <= len(src.tokens):
             raise ValueError(f"share_prefix: {n} positions of a slot holding {len(src.tokens)}")
         if not self.rt.shares_cells:
-            self.load_state(src.save_state(), src.tokens)
+            state = src.save_state(into=scratch)
+            self.load_state(state, src.tokens)
             self.truncate(n)
-            return
+            return state.buf
         self.reset()
         llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)
         self.tokens[:] = src.tokens[:n]  # in place: Runtime.tokens is slot 0's list
+        return None
 
-    def save_state(self) -> bytearray:
-        """This sequence's KV cache as bytes (restore with load_state)."""
-        return self.rt._save_seq(self.seq)
+    def save_state(self, into: bytearray | None = None) -> KvState:
+        """This sequence's KV cache (restore with load_state); written into `into` if it is large enough."""
+        return self.rt._save_seq(self.seq, into)
 
-    def load_state(self, data: bytes | bytearray, tokens: Sequence[int]) -> None:
+    def load_state(self, state: KvState, tokens: Sequence[int]) -> None:
         self.reset()
-        if not self.rt._load_seq(self.seq, data):
+        if not self.rt._load_seq(self.seq, state):
             self.reset()
             raise RuntimeError("llama.cpp refused a saved KV state")
         self.tokens[:] = tokens  # in place: Runtime.tokens is slot 0's list

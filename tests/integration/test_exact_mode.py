@@ -108,7 +108,7 @@ def test_the_memory_plan_counts_exact_modes_q8_0_cache_at_the_bytes_llama_cpp_ke
     for n in (64, 128):
         exact_rt.reset()
         exact_rt.eval(list(range(1000, 1000 + n)))
-        saved.append(len(exact_rt.save_state()))  # bytes: the sequence's cells as llama.cpp stores them
+        saved.append(exact_rt.save_state().size)  # bytes: the sequence's cells as llama.cpp stores them
     # Measured 15,244 bytes a token: 15,232 of K and V (q8_0) plus the cell's position and sequence.
     assert 0 <= (saved[1] - saved[0]) / 64 - per_token <= 16
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from homespec.llama.fim import FimTokens
+from homespec.llama.prefix_cache import KvState
 from homespec.llama.runtime import ContextFull
 from homespec.speculation.proposers.base import Preview
 from homespec.speculation.proposers.ngram import Match, NgramProposer
@@ -82,19 +83,24 @@ class FakeRuntime:
         self.truncate(keep)
         return self.eval(context[keep:], output)
 
-    def save_state(self) -> bytes:
-        return np.asarray(self.tokens, dtype=np.int32).tobytes()
+    def save_state(self, into: bytearray | None = None) -> KvState:
+        data = np.asarray(self.tokens, dtype=np.int32).tobytes()
+        buf = into if into is not None and len(into) >= len(data) else bytearray(len(data))
+        buf[: len(data)] = data
+        return KvState(buf, len(data))
 
-    def load_state(self, data: bytes, tokens: Sequence[int]) -> None:
+    def load_state(self, state: KvState, tokens: Sequence[int]) -> None:
+        data = bytes(state.buf[: state.size])
         assert np.frombuffer(data, dtype=np.int32).tolist() == list(tokens), "state/tokens mismatch"
         self.tokens = list(tokens)
 
     def reset(self) -> None:
         self.tokens = []
 
-    def share_prefix(self, src: FakeRuntime, n: int) -> None:
+    def share_prefix(self, src: FakeRuntime, n: int, scratch: bytearray | None = None) -> bytearray | None:
         assert src.rt is self.rt and 0 <= n <= len(src.tokens), "share_prefix: another runtime, or too long"
         self.tokens = list(src.tokens[:n])
+        return None  # as in llama.cpp's unified cache: no copy
 
     def is_eog(self, token: int) -> bool:
         return token == self.eos

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from homespec.llama.prefix_cache import PrefixCache
+from homespec.llama.prefix_cache import PrefixCache, state_buffer
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 
 from .fakes import FakeRuntime
@@ -235,3 +235,41 @@ def test_a_host_whose_slots_have_caches_of_their_own_still_lends_prefixes_keeps_
     host.release_slot(1, busy=[0])  # no shared cache to slow the lone request: the history stays
     assert target.slot(1).tokens == system
     assert host.batch(prefill_chunk=64).max_rows == EXACT_MAX_ROWS
+
+
+def test_the_buffer_of_a_restored_history_is_what_the_next_save_writes_into():
+    rt, cache = FakeRuntime(n_ctx=2048), PrefixCache(1 << 20, min_tokens=16)
+    a, b = SYSTEM_A + list(range(200, 230)), SYSTEM_B + list(range(300, 330))
+    rt.tokens = list(a)
+    cache.prepare(rt, b)  # A is saved: B throws all of it away
+    (saved_a,) = [e.state for e in cache._entries.values()]
+    rt.tokens = list(b)
+    cache.prepare(rt, a + [1])  # B is saved, A restored and taken over by the slot
+    assert rt.tokens == a and cache.restores == 1
+    rt.tokens = a[:-5] + [1, 2, 3, 4, 5]  # A answered again, as long as before
+    cache.prepare(rt, b + [7])
+    states = {tuple(e.tokens): e.state for e in cache._entries.values()}
+    assert states[tuple(a[:-5] + [1, 2, 3, 4, 5])].buf is saved_a.buf  # not a fresh one
+    assert rt.tokens == b  # and B came back whole from its own state
+
+
+def test_spare_buffers_count_against_the_budget_and_go_before_any_saved_history():
+    rt = FakeRuntime(n_ctx=2048)
+    a, b = SYSTEM_A + list(range(200, 230)), SYSTEM_B + list(range(300, 330))
+    cache = PrefixCache(2 * 8 * len(a), min_tokens=16)  # room for two histories (4 bytes a token of state, 4 of tokens)
+    rt.tokens = list(a)
+    cache.prepare(rt, b)  # A saved
+    rt.tokens = list(b)
+    cache.prepare(rt, a)  # B saved; A restored: its buffer is now a spare
+    assert cache.bytes <= cache.budget
+    assert len(cache) == 1 and len(cache._spare) == 1
+    cache.budget = cache.bytes - 1  # one byte short: the spare goes, B's history stays
+    cache._fit()
+    assert len(cache) == 1 and cache._spare == []
+
+
+def test_a_new_state_buffer_has_room_for_the_conversation_an_eighth_longer():
+    per_token = 28 << 10  # bytes: the 1.5B target's f16 cells
+    for tokens in (16, 1000, 4096):
+        assert len(state_buffer(tokens * per_token)) >= (tokens + tokens // 8) * per_token
+        assert len(state_buffer(tokens * per_token)) <= (tokens + tokens // 8) * per_token + (64 << 10)
