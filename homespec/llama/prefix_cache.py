@@ -182,7 +182,7 @@ class PrefixCache:
     def _keep_spare(self, buf: bytearray | None) -> None:
         if buf is not None:
             self._spare.append(buf)
-            del self._spare[:-SPARE_BUFFERS]
+            del self._spare[: max(0, len(self._spare) - SPARE_BUFFERS)]
 
     def _fit(self) -> None:
         """Within the budget: spare buffers go first, then the least recently used histories."""
