@@ -23,24 +23,14 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from homespec.tokens import common_prefix
 
+if TYPE_CHECKING:
+    from homespec.llama.runtime import KvState
+
 log = logging.getLogger("homespec.llama.prefix_cache")
-
-
-@dataclass(eq=False)
-class KvState:
-    """One sequence's KV cells as llama.cpp serialises them: the first `size` bytes of `buf`, which
-    may be longer (a buffer used again; see PrefixCache's spare buffers)."""
-
-    buf: bytearray
-    size: int  # bytes
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.buf)  # bytes held in RAM
 
 
 class _StatefulRuntime(Protocol):
@@ -69,14 +59,6 @@ class _Entry:
 # of the 1.5B target) took 21-160 ms to fault in, and llama.cpp wrote into pages already there in
 # 4-7 ms. They count against the budget, and go before any saved history does.
 SPARE_BUFFERS = 2
-
-
-def state_buffer(size: int) -> bytearray:
-    """A new buffer for a state of `size` bytes, with room for the same conversation a little
-    longer (1/8 more, in 64 KiB steps: a 1,000-token state of the 1.5B target has room for ~125
-    more tokens), so that its next save fits the buffer this one leaves behind."""
-    step = 64 << 10  # bytes
-    return bytearray(-(-(size + size // 8) // step) * step)
 
 
 class PrefixCache:
@@ -128,7 +110,6 @@ class PrefixCache:
         if lender is not None and lent >= best_len:  # a tie with a saved state: sharing is free
             self._save_live(rt, keep=live)
             self._keep_spare(rt.share_prefix(lender, lent, scratch=self._take_spare()))
-            self._fit()
             self.shares += 1
             log.debug("shared %d tokens of the prompt with another sequence", lent)
             return lent
@@ -148,7 +129,6 @@ class PrefixCache:
         rt.load_state(entry.state, entry.tokens)
         if taken:
             self._keep_spare(entry.state.buf)
-            self._fit()
         self.restores += 1
         log.debug("restored a saved cache of %d tokens (%d shared with the prompt)", len(entry.tokens), best_len)
         return best_len
@@ -183,6 +163,7 @@ class PrefixCache:
         if buf is not None:
             self._spare.append(buf)
             del self._spare[: max(0, len(self._spare) - SPARE_BUFFERS)]
+            self._fit()
 
     def _fit(self) -> None:
         """Within the budget: spare buffers go first, then the least recently used histories."""

@@ -51,7 +51,6 @@ from homespec.llama.cpu_build import require_matching_build
 from homespec.llama.fim import FimTokens
 from homespec.llama.gguf_info import KvType
 from homespec.llama.kernels import fix_tiled_matmul
-from homespec.llama.prefix_cache import KvState, state_buffer
 from homespec.tokens import common_prefix
 
 require_matching_build()  # before llama.cpp loads: a build for another CPU dies with SIGILL
@@ -66,6 +65,27 @@ _C_SPACE = " \t\n\v\f\r"  # C isspace(), what llama.cpp strips around lstrip/rst
 
 _backend_lock = threading.Lock()
 _backend_ready = False
+
+
+@dataclass(eq=False)
+class KvState:
+    """One sequence's KV cells as llama.cpp serialises them: the first `size` bytes of `buf`, which
+    may be longer (a buffer used again; see PrefixCache's spare buffers)."""
+
+    buf: bytearray
+    size: int  # bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)  # bytes held in RAM
+
+
+def state_buffer(size: int) -> bytearray:
+    """A new buffer for a state of `size` bytes, with room for the same conversation a little
+    longer (1/8 more, in 64 KiB steps: a 1,000-token state of the 1.5B target has room for ~125
+    more tokens), so that its next save fits the buffer this one leaves behind."""
+    step = 64 << 10  # bytes
+    return bytearray(-(-(size + size // 8) // step) * step)
 
 
 @llama_cpp.llama_log_callback

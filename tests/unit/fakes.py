@@ -13,8 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from homespec.llama.fim import FimTokens
-from homespec.llama.prefix_cache import KvState
-from homespec.llama.runtime import ContextFull
+from homespec.llama.runtime import ContextFull, KvState
 from homespec.speculation.proposers.base import Preview
 from homespec.speculation.proposers.ngram import Match, NgramProposer
 from homespec.tokens import common_prefix

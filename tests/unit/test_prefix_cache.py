@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from homespec.llama.prefix_cache import PrefixCache, state_buffer
+from homespec.llama.prefix_cache import PrefixCache
+from homespec.llama.runtime import state_buffer
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 
 from .fakes import FakeRuntime
