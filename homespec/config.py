@@ -218,10 +218,11 @@ class ServerConfig(_Strict):
     # alone, so it stalls neither them nor a request that arrives meanwhile for the whole prefill
     # (a chunk's time, ~1.3 s at 128 on 2 Xeon cores, is what they wait at most). Every pass also
     # pays about one decode step's worth of weight reads, so small chunks cost throughput: on the
-    # 2-core Xeon of 2026-12-02, 513 tokens read at 92-95 tok/s in 64-token chunks, 97-99 in 128
-    # and 95-99 in 512 (scripts/prefill_chunks.py; one process, interleaved), and a cold 540-token prompt's first
-    # token came 4 % sooner at 128 (scripts/cold_ttft.py). An older Xeon's llama-bench read pp512
-    # at 67.6 tok/s at ubatch 64 and 60.0 at 512; 32 was 15 % slower there.
+    # 2-core Xeon of 2026-12-02, 513 tokens read at 92-96 tok/s in 64-token chunks, 97-100 in 128
+    # and 95-100 in 512 (scripts/prefill_chunks.py; one process, interleaved), and a cold
+    # 540-token prompt waited 1.06x as long as on llama-server in the same run, against 1.08x at
+    # 64 (scripts/cold_ttft.py). An older Xeon's llama-bench read pp512 at 67.6 tok/s at ubatch
+    # 64 and 60.0 at 512; 32 was 15 % slower there.
     prefill_chunk: int = Field(128, ge=1, le=4096, description="Prompt tokens read per pass (exact mode: n_batch, in passes of their own)")
     request_timeout_s: float = Field(600, gt=0, description="Per-request wall-clock limit")
     # 4 MiB: far above any chat history that fits n_ctx, small enough to refuse abuse.
