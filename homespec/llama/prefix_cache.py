@@ -40,6 +40,8 @@ class _StatefulRuntime(Protocol):
 
     def load_state(self, state: KvState, tokens: Sequence[int]) -> None: ...
 
+    def state_size(self) -> int: ...  # bytes save_state would write now
+
     # src: another sequence of the same context; returns the buffer a copy went through, if any
     def share_prefix(self, src: Any, n: int, scratch: bytearray | None = None) -> bytearray | None: ...
 
@@ -142,12 +144,13 @@ class PrefixCache:
         if len(rt.tokens) - keep < self.min_tokens or self.budget <= 0:
             return
         tokens = list(rt.tokens)
+        size = rt.state_size()  # bytes
+        if size + 4 * len(tokens) > self.budget:  # (_Entry.nbytes)
+            return
         # An older save of the same conversation (a prefix of this one) is superseded.
         for eid in [i for i, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             self._keep_spare(self._entries.pop(eid).state.buf)
-        entry = _Entry(tokens, rt.save_state(into=self._take_spare()))
-        if entry.nbytes > self.budget:
-            return
+        entry = _Entry(tokens, rt.save_state(into=self._buffer_for(size, size + 4 * len(tokens))))
         self._entries[self._next_id] = entry
         self._next_id += 1
         self.saves += 1
@@ -158,6 +161,24 @@ class PrefixCache:
         if not self._spare:
             return None
         return self._spare.pop(max(range(len(self._spare)), key=lambda i: len(self._spare[i])))
+
+    def _buffer_for(self, size: int, room: int) -> bytearray | None:
+        """A buffer to save a state of `size` bytes into: the smallest spare that holds it, or
+        else the buffer of a history evicted (least recently used first) to make `room` bytes
+        for the new entry (spares would go first: they are not counted). A cache in use is full,
+        and every save would otherwise fault in fresh pages while the eviction after it freed
+        pages as large. None: the runtime allocates one."""
+        fit = [i for i, b in enumerate(self._spare) if len(b) >= size]
+        if fit:
+            return self._spare.pop(min(fit, key=lambda i: len(self._spare[i])))
+        free, self._spare = self._spare, []
+        while self._entries and self.bytes + room > self.budget:
+            free.append(self._entries.popitem(last=False)[1].state.buf)
+        fit = [i for i, b in enumerate(free) if len(b) >= size]
+        best = free.pop(min(fit, key=lambda i: len(free[i]))) if fit else None
+        for b in free:
+            self._keep_spare(b)
+        return best
 
     def _keep_spare(self, buf: bytearray | None) -> None:
         if buf is not None:

@@ -464,12 +464,16 @@ class Runtime:
     def load_state(self, state: KvState, tokens: Sequence[int]) -> None:
         self._slots[0].load_state(state, tokens)  # (a restored cache comes without hidden states)
 
+    def state_size(self) -> int:
+        """Bytes save_state would write now (seq 0)."""
+        return self._slots[0].state_size()
+
     def _save_seq(self, seq: int, into: bytearray | None) -> KvState:
         # llama.cpp writes straight into the buffer the caller keeps. A copy is no memcpy here
         # but fresh pages: a 1,228-token state of the 1.5B target (34 MiB) took 49 ms (first
         # time 279) through a ctypes buffer and string_at, 24 ms into a new bytearray, 4-7 ms
         # into one written before (2-core Xeon VM).
-        size = llama_cpp.llama_state_seq_get_size(self._ctx, seq)  # bytes
+        size = self._slots[seq].state_size()  # bytes
         buf = into if into is not None and len(into) >= size else state_buffer(size)
         n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
         return KvState(buf, n)
@@ -723,6 +727,10 @@ class Slot:
     def save_state(self, into: bytearray | None = None) -> KvState:
         """This sequence's KV cache (restore with load_state); written into `into` if it is large enough."""
         return self.rt._save_seq(self.seq, into)
+
+    def state_size(self) -> int:
+        """Bytes save_state would write now (llama.cpp counts them without copying)."""
+        return llama_cpp.llama_state_seq_get_size(self.rt._ctx, self.seq)
 
     def load_state(self, state: KvState, tokens: Sequence[int]) -> None:
         self.reset()

@@ -88,6 +88,9 @@ class FakeRuntime:
         buf[: len(data)] = data
         return KvState(buf, len(data))
 
+    def state_size(self) -> int:
+        return 4 * len(self.tokens)
+
     def load_state(self, state: KvState, tokens: Sequence[int]) -> None:
         data = bytes(state.buf[: state.size])
         assert np.frombuffer(data, dtype=np.int32).tolist() == list(tokens), "state/tokens mismatch"

@@ -274,3 +274,31 @@ def test_a_new_state_buffer_has_room_for_the_conversation_an_eighth_longer():
     for tokens in (16, 1000, 4096):
         assert len(state_buffer(tokens * per_token)) >= (tokens + tokens // 8) * per_token
         assert len(state_buffer(tokens * per_token)) <= (tokens + tokens // 8) * per_token + (64 << 10)
+
+
+def test_a_full_cache_saves_into_the_buffer_of_the_history_it_evicts():
+    rt = FakeRuntime(n_ctx=2048)
+    a, b, c = (SYSTEM_A + list(range(200 + 100 * i, 230 + 100 * i)) for i in range(3))
+    cache = PrefixCache(2 * 8 * len(a), min_tokens=16)  # room for two histories (4 bytes a token of state, 4 of tokens)
+    rt.tokens = list(a)
+    cache.prepare(rt, SYSTEM_B)  # A saved
+    (saved_a,) = [e.state for e in cache._entries.values()]
+    rt.tokens = list(b)
+    cache.prepare(rt, SYSTEM_B)  # B saved: the cache is full
+    rt.tokens = list(c)
+    cache.prepare(rt, SYSTEM_B)  # C saved: A, the least recently used, makes room
+    states = {tuple(e.tokens): e.state for e in cache._entries.values()}
+    assert set(states) == {tuple(b), tuple(c)}
+    assert states[tuple(c)].buf is saved_a.buf  # not a fresh one
+    assert cache.bytes <= cache.budget and cache._spare == []
+
+
+def test_a_history_larger_than_the_whole_budget_is_not_saved_and_evicts_nothing():
+    rt = FakeRuntime(n_ctx=2048)
+    a = SYSTEM_A + list(range(200, 230))
+    cache = PrefixCache(8 * len(a) + 8, min_tokens=16)  # room for A, not for A and a token more of it
+    rt.tokens = list(a)
+    cache.prepare(rt, SYSTEM_B)
+    rt.tokens = a + list(range(300, 320))
+    cache.prepare(rt, SYSTEM_B)
+    assert [e.tokens for e in cache._entries.values()] == [a]
