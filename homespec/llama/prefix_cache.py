@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from homespec.tokens import common_prefix
 
 if TYPE_CHECKING:
-    from homespec.llama.runtime import KvState
+    from homespec.llama.runtime import KvState, StateBuffer
 
 log = logging.getLogger("homespec.llama.prefix_cache")
 
@@ -36,14 +36,14 @@ log = logging.getLogger("homespec.llama.prefix_cache")
 class _StatefulRuntime(Protocol):
     tokens: list[int]
 
-    def save_state(self, into: bytearray | None = None) -> KvState: ...
+    def save_state(self, into: StateBuffer | None = None) -> KvState: ...
 
     def load_state(self, state: KvState, tokens: Sequence[int]) -> None: ...
 
     def state_size(self) -> int: ...  # bytes save_state would write now
 
     # src: another sequence of the same context; returns the buffer a copy went through, if any
-    def share_prefix(self, src: Any, n: int, scratch: bytearray | None = None) -> bytearray | None: ...
+    def share_prefix(self, src: Any, n: int, scratch: StateBuffer | None = None) -> StateBuffer | None: ...
 
 
 @dataclass
@@ -74,7 +74,7 @@ class PrefixCache:
         # its TTFT.
         self.min_tokens = min_tokens  # tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
-        self._spare: list[bytearray] = []  # buffers to save into (SPARE_BUFFERS), oldest first
+        self._spare: list[StateBuffer] = []  # buffers to save into (SPARE_BUFFERS), oldest first
         self._next_id = 0
         self.restores = 0
         self.saves = 0
@@ -156,13 +156,13 @@ class PrefixCache:
         self.saves += 1
         self._fit()
 
-    def _take_spare(self) -> bytearray | None:
+    def _take_spare(self) -> StateBuffer | None:
         """The largest spare buffer (the runtime writes into it if the state fits)."""
         if not self._spare:
             return None
         return self._spare.pop(max(range(len(self._spare)), key=lambda i: len(self._spare[i])))
 
-    def _buffer_for(self, size: int, room: int) -> bytearray | None:
+    def _buffer_for(self, size: int, room: int) -> StateBuffer | None:
         """A buffer to save a state of `size` bytes into: the smallest spare that holds it, or
         else the buffer of a history evicted (least recently used first) to make `room` bytes
         for the new entry (spares would go first: they are not counted). A cache in use is full,
@@ -180,7 +180,7 @@ class PrefixCache:
             self._keep_spare(b)
         return best
 
-    def _keep_spare(self, buf: bytearray | None) -> None:
+    def _keep_spare(self, buf: StateBuffer | None) -> None:
         if buf is not None:
             self._spare.append(buf)
             del self._spare[: max(0, len(self._spare) - SPARE_BUFFERS)]

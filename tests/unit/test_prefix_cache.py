@@ -302,3 +302,15 @@ def test_a_history_larger_than_the_whole_budget_is_not_saved_and_evicts_nothing(
     rt.tokens = a + list(range(300, 320))
     cache.prepare(rt, SYSTEM_B)
     assert [e.tokens for e in cache._entries.values()] == [a]
+
+
+def test_a_large_state_buffer_is_a_mapping_llama_cpp_writes_into_in_place():
+    import ctypes
+    import mmap
+
+    size = 1000 * (28 << 10)  # bytes: a 1,000-token state of the 1.5B target
+    buf = state_buffer(size)
+    assert isinstance(buf, mmap.mmap)  # not a bytearray: that one is zeroed before it is written
+    ctypes.memset((ctypes.c_uint8 * size).from_buffer(buf), 7, size)  # as llama_state_seq_get_data writes
+    assert buf[0] == buf[size - 1] == 7
+    assert isinstance(state_buffer(16 * (28 << 10)), bytearray)  # a short one: no mapping of its own
