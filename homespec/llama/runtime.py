@@ -490,8 +490,8 @@ class Runtime:
     def _save_seq(self, seq: int, into: StateBuffer | None) -> KvState:
         # llama.cpp writes straight into the buffer the caller keeps. A copy is no memcpy here
         # but fresh pages: a 1,228-token state of the 1.5B target (34 MiB) took 49 ms (first
-        # time 279) through a ctypes buffer and string_at, 24 ms into a new bytearray, 4-7 ms
-        # into one written before (2-core Xeon VM).
+        # time 279) through a ctypes buffer and string_at, 24 ms into a new bytearray (now a
+        # mapping: state_buffer), 4-7 ms into one written before (2-core Xeon VM).
         size = self._slots[seq].state_size()  # bytes
         buf = into if into is not None and len(into) >= size else state_buffer(size)
         n = llama_cpp.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * size).from_buffer(buf), size, seq)
