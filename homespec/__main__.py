@@ -40,9 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that load models: they run with huge pages asked for (llama/hugepages.py).
+LOADS_MODELS = frozenset({"serve", "run", "bench", "train-mtp"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None and args.command in LOADS_MODELS:  # (a command line, not a caller in-process)
+        from homespec.llama.hugepages import maybe_reexec
+
+        maybe_reexec(sys.argv[1:])
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
