@@ -26,6 +26,7 @@ def main(args: argparse.Namespace) -> int:
         use = ("HOMESPEC_AMX=on: built in when the check passes" if cb.amx_wanted()
                else "left out: this llama.cpp's AMX kernels crash (SIGILL); HOMESPEC_AMX=on builds them")
         print(f"amx:      {tiles}; {use}")
+    print(f"memory:   {_huge_pages()}")
     folder = cb.installed_package_dir()
     options = cb.read_stamp(folder) if folder is not None else None
     if options is None:
@@ -45,6 +46,23 @@ def main(args: argparse.Namespace) -> int:
     info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
     print(f"llama.cpp: {info}")
     return status
+
+
+def _huge_pages() -> str:
+    """How the weights of `homespec serve` (run, bench) get huge pages here (llama/hugepages.py)."""
+    import os
+    import platform
+
+    from homespec.llama import hugepages as hp
+
+    thp = hp.thp_mode()
+    if thp is None:
+        return "no transparent huge pages in this kernel"
+    if thp != "madvise":
+        return f"transparent huge pages '{thp}': homespec asks for nothing"
+    if hp.tunables_with_huge_pages(os.environ, thp, platform.libc_ver()) is not None:
+        return f"transparent huge pages 'madvise': the commands that load models start again with {hp.TUNABLE}=1"
+    return f"transparent huge pages 'madvise': {hp.TUNABLE} is set already or not available (GLIBC_TUNABLES, HOMESPEC_HUGEPAGES, glibc 2.35+)"
 
 
 def _cpu_model() -> str:
