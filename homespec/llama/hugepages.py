@@ -63,7 +63,7 @@ def maybe_reexec(argv: Sequence[str]) -> None:
     """Run `python -m homespec argv` again with huge pages asked for, where that changes
     something (tunables_with_huge_pages); returns only where it does not."""
     env = environ_with_huge_pages()
-    if env is None:
+    if env is None or not sys.executable:
         return
     sys.stdout.flush()
     sys.stderr.flush()
