@@ -72,7 +72,7 @@ def full_cache(rt: Runtime, history: list[int], rounds: int) -> None:
         saver.share_prefix(rt.slot(1), len(history))
         room = saver.state_size() * 9 // 8 + (1 << 20)  # bytes: one history with its headroom
         caches[name] = pc.PrefixCache(room)
-    caches["fresh"]._buffer_for = lambda size, room: caches["fresh"]._take_spare()  # the code before
+    caches["fresh"]._buffer_for = lambda size, room: caches["fresh"]._take_spare(size)  # the code before: a spare or none
     times: dict[str, list[float]] = {name: [] for name in caches}
     for r in range(rounds):
         conv = (history, other)[r % 2]

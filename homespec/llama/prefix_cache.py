@@ -53,7 +53,12 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return self.state.nbytes + 4 * len(self.tokens)
+        return _entry_bytes(self.state.nbytes, len(self.tokens))
+
+
+def _entry_bytes(state: int, tokens: int) -> int:
+    """Bytes an entry holds: its state's buffer and its token list (4 bytes a token)."""
+    return state + 4 * tokens
 
 
 # Buffers of states that were used up (restored, superseded, or copied across for a shared
@@ -111,7 +116,7 @@ class PrefixCache:
                 lender, lent = peer, n
         if lender is not None and lent >= best_len:  # a tie with a saved state: sharing is free
             self._save_live(rt, keep=live)
-            self._keep_spare(rt.share_prefix(lender, lent, scratch=self._take_spare()))
+            self._keep_spare(rt.share_prefix(lender, lent, scratch=self._take_spare(lender.state_size())))
             self.shares += 1
             log.debug("shared %d tokens of the prompt with another sequence", lent)
             return lent
@@ -145,37 +150,35 @@ class PrefixCache:
             return
         tokens = list(rt.tokens)
         size = rt.state_size()  # bytes
-        if size + 4 * len(tokens) > self.budget:  # (_Entry.nbytes)
+        room = _entry_bytes(size, len(tokens))  # bytes
+        if room > self.budget:
             return
         # An older save of the same conversation (a prefix of this one) is superseded.
         for eid in [i for i, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
             self._keep_spare(self._entries.pop(eid).state.buf)
-        entry = _Entry(tokens, rt.save_state(into=self._buffer_for(size, size + 4 * len(tokens))))
+        entry = _Entry(tokens, rt.save_state(into=self._buffer_for(size, room)))
         self._entries[self._next_id] = entry
         self._next_id += 1
         self.saves += 1
         self._fit()
 
-    def _take_spare(self) -> StateBuffer | None:
-        """The largest spare buffer (the runtime writes into it if the state fits)."""
-        if not self._spare:
-            return None
-        return self._spare.pop(max(range(len(self._spare)), key=lambda i: len(self._spare[i])))
+    def _take_spare(self, size: int) -> StateBuffer | None:
+        """The smallest spare buffer that holds `size` bytes, taken out of the spares."""
+        return _pop_fitting(self._spare, size)
 
     def _buffer_for(self, size: int, room: int) -> StateBuffer | None:
-        """A buffer to save a state of `size` bytes into: the smallest spare that holds it, or
-        else the buffer of a history evicted (least recently used first) to make `room` bytes
-        for the new entry (spares would go first: they are not counted). A cache in use is full,
-        and every save would otherwise fault in fresh pages while the eviction after it freed
-        pages as large. None: the runtime allocates one."""
-        fit = [i for i, b in enumerate(self._spare) if len(b) >= size]
-        if fit:
-            return self._spare.pop(min(fit, key=lambda i: len(self._spare[i])))
+        """A buffer to save a state of `size` bytes into: a spare, or else the buffer of a
+        history evicted (least recently used first) to make `room` bytes for the new entry
+        (spares would go first: they are not counted). A cache in use is full, and every save
+        would otherwise fault in fresh pages while the eviction after it freed pages as large.
+        None: the runtime allocates one."""
+        buf = self._take_spare(size)
+        if buf is not None:
+            return buf
         free, self._spare = self._spare, []
         while self._entries and self.bytes + room > self.budget:
             free.append(self._entries.popitem(last=False)[1].state.buf)
-        fit = [i for i, b in enumerate(free) if len(b) >= size]
-        best = free.pop(min(fit, key=lambda i: len(free[i]))) if fit else None
+        best = _pop_fitting(free, size)
         for b in free:
             self._keep_spare(b)
         return best
@@ -197,3 +200,9 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
         self._spare.clear()
+
+
+def _pop_fitting(bufs: list[StateBuffer], size: int) -> StateBuffer | None:
+    """The smallest of `bufs` that holds `size` bytes, taken out of the list; None if none does."""
+    fit = [i for i, b in enumerate(bufs) if len(b) >= size]
+    return bufs.pop(min(fit, key=lambda i: len(bufs[i]))) if fit else None
