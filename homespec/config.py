@@ -99,9 +99,13 @@ class RuntimeConfig(_Strict):
     # Prefill runs at ~40-60 tokens/s on a 2-core CPU: re-reading a 1,000-token chat history
     # each turn costs ~20 s. Off only to measure what it saves.
     prefix_reuse: bool = Field(True, description="Reuse the KV cache of the shared prompt prefix")
-    # llama.cpp's own "auto" turns flash attention on for the CPU too, where one-token decoding
-    # measured 9 % slower with it (85.2 vs 77.7 ms a token, same run, 2 cores; prefill and
-    # 5-token verify passes unchanged). Our auto: off on a CPU, llama.cpp's choice with a GPU.
+    # llama.cpp's own "auto" turns flash attention on for the CPU too, where it reads prompts
+    # faster but makes the passes speculation lives on slower as the history grows. On the
+    # 2-core AVX-512 Xeon (scripts/flash_attn_cost.py): prefill 104 against 98 tok/s, a 5-row
+    # verify pass after 1,000 / 2,000 / 3,000 tokens 164 / 198 / 227 against 152 / 162 / 174 ms,
+    # one-token decode even at 300 tokens and 7 % slower at 3,000; on an AVX2 build one-token
+    # decode measured 9 % slower (85.2 vs 77.7 ms). Our auto: off on a CPU, llama.cpp's choice
+    # with a GPU.
     flash_attn: Literal["auto", "on", "off"] = Field("auto", description="Flash attention (auto: off on CPU)")
     _flash_attn_words = field_validator("flash_attn", mode="before")(_yaml_switch)
     # Without it the AVX2 EPYC ran 8-12-row verify passes 9-20 % faster but prefill 1-10 % and
