@@ -50,9 +50,6 @@ def main(args: argparse.Namespace) -> int:
 
 def _huge_pages() -> str:
     """How the weights of `homespec serve` (run, bench) get huge pages here (llama/hugepages.py)."""
-    import os
-    import platform
-
     from homespec.llama import hugepages as hp
 
     thp = hp.thp_mode()
@@ -60,7 +57,7 @@ def _huge_pages() -> str:
         return "no transparent huge pages in this kernel"
     if thp != "madvise":
         return f"transparent huge pages '{thp}': homespec asks for nothing"
-    if hp.tunables_with_huge_pages(os.environ, thp, platform.libc_ver()) is not None:
+    if hp.environ_with_huge_pages() is not None:  # (doctor itself does not run again: __main__)
         return f"transparent huge pages 'madvise': the commands that load models start again with {hp.TUNABLE}=1"
     return f"transparent huge pages 'madvise': {hp.TUNABLE} is set already or not available (GLIBC_TUNABLES, HOMESPEC_HUGEPAGES, glibc 2.35+)"
 
