@@ -5,7 +5,8 @@ through `Runtime.sync`, which keeps the longest common prefix. This cache adds m
 conversations: before a request would truncate away a long cached history that it does not
 share, that history's KV state is saved (llama_state_seq_get_data); a later request that shares
 more with a saved state than with the live cache restores it. Entries are evicted least recently
-used within a byte budget (memory.prefix_cache_mib, which the load plan counts). With several
+used within a byte budget (memory.prefix_cache_mib, which the load plan counts); the states live
+in one arena of that size, held and touched from load on (state_arena.py says why). With several
 KV sequences (requests decoding together), a prefix another sequence holds is borrowed instead
 (Slot.share_prefix: free in a unified KV buffer, a copy of its cells with a stream per slot).
 
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from homespec.llama.state_arena import StateArena, block_size
 from homespec.tokens import common_prefix
 
 if TYPE_CHECKING:
@@ -42,8 +44,8 @@ class _StatefulRuntime(Protocol):
 
     def state_size(self) -> int: ...  # bytes save_state would write now
 
-    # src: another sequence of the same context; returns the buffer a copy went through, if any
-    def share_prefix(self, src: Any, n: int, scratch: StateBuffer | None = None) -> StateBuffer | None: ...
+    # src: another sequence of the same context; a copy (if one is needed) goes through scratch
+    def share_prefix(self, src: Any, n: int, scratch: StateBuffer | None = None) -> None: ...
 
 
 @dataclass
@@ -61,13 +63,6 @@ def _entry_bytes(state: int, tokens: int) -> int:
     return state + 4 * tokens
 
 
-# Buffers of states that were used up (restored, superseded, or copied across for a shared
-# prefix) are kept to be written again: on a 2-core VM a fresh 34 MiB buffer (a 1,228-token state
-# of the 1.5B target) took 21-160 ms to fault in, and llama.cpp wrote into pages already there in
-# 4-7 ms. They count against the budget, and go before any saved history does.
-SPARE_BUFFERS = 2
-
-
 class PrefixCache:
     def __init__(self, budget_bytes: int, min_tokens: int = 16) -> None:
         self.budget = budget_bytes  # bytes
@@ -79,7 +74,8 @@ class PrefixCache:
         # its TTFT.
         self.min_tokens = min_tokens  # tokens
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # LRU order, oldest first
-        self._spare: list[StateBuffer] = []  # buffers to save into (SPARE_BUFFERS), oldest first
+        # Every saved state lives in the arena: memory held from load on (see state_arena).
+        self._arena = StateArena(budget_bytes) if budget_bytes > 0 else None
         self._next_id = 0
         self.restores = 0
         self.saves = 0
@@ -90,7 +86,11 @@ class PrefixCache:
 
     @property
     def bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values()) + sum(len(b) for b in self._spare)
+        return sum(e.nbytes for e in self._entries.values())
+
+    def touch(self) -> float:
+        """Fault the budget's memory in now (at warm-up), not during a request's save; seconds."""
+        return self._arena.touch() if self._arena is not None else 0.0
 
     def prepare(self, rt: _StatefulRuntime, prompt: Sequence[int], peers: Sequence[_StatefulRuntime] = ()) -> int:
         """Put the best cached history for `prompt` into rt's KV cache; return the shared prefix.
@@ -116,26 +116,25 @@ class PrefixCache:
                 lender, lent = peer, n
         if lender is not None and lent >= best_len:  # a tie with a saved state: sharing is free
             self._save_live(rt, keep=live)
-            self._keep_spare(rt.share_prefix(lender, lent, scratch=self._take_spare(lender.state_size())))
+            scratch = self._alloc(lender.state_size())
+            rt.share_prefix(lender, lent, scratch=scratch)
+            self._release(scratch)
             self.shares += 1
             log.debug("shared %d tokens of the prompt with another sequence", lent)
             return lent
-        entry = self._entries[best_id] if best_id is not None else None
-        taken = False
-        if entry is not None:
-            if len(entry.tokens) - best_len < self.min_tokens:
-                del self._entries[best_id]  # the slot takes it over (and saves it again, grown, when it leaves)
-                taken = True
-            else:
-                # It lends only its prefix (a system prompt, an earlier turn): its own history
-                # stays saved for its return, as a peer's does (the state bytes are shared, not copied).
-                self._entries.move_to_end(best_id)
-        self._save_live(rt, keep=live)
+        # Out of the LRU order while the live cache is saved, so that no eviction frees its block.
+        entry = self._entries.pop(best_id) if best_id is not None else None
+        self._save_live(rt, keep=live, held=entry.nbytes if entry is not None else 0)
         if entry is None:
             return live
         rt.load_state(entry.state, entry.tokens)
-        if taken:
-            self._keep_spare(entry.state.buf)
+        if len(entry.tokens) - best_len < self.min_tokens:
+            self._release(entry.state.buf)  # the slot takes it over (and saves it again, grown, when it leaves)
+        else:
+            # It lends only its prefix (a system prompt, an earlier turn): its own history
+            # stays saved for its return, as a peer's does (the state bytes are shared, not copied).
+            self._entries[best_id] = entry  # most recently used
+            self._fit()
         self.restores += 1
         log.debug("restored a saved cache of %d tokens (%d shared with the prompt)", len(entry.tokens), best_len)
         return best_len
@@ -144,65 +143,50 @@ class PrefixCache:
         """Save rt's cache (if long enough) before the caller empties it."""
         self._save_live(rt, keep=0)
 
-    def _save_live(self, rt: _StatefulRuntime, keep: int) -> None:
-        """Save the live cache if the coming request would throw away much of it."""
+    def _save_live(self, rt: _StatefulRuntime, keep: int, held: int = 0) -> None:
+        """Save the live cache if the coming request would throw away much of it. held: bytes
+        of an entry taken out of the cache for the moment (see prepare)."""
         if len(rt.tokens) - keep < self.min_tokens or self.budget <= 0:
             return
         tokens = list(rt.tokens)
         size = rt.state_size()  # bytes
-        room = _entry_bytes(size, len(tokens))  # bytes
+        room = _entry_bytes(block_size(size), len(tokens))  # bytes
         if room > self.budget:
             return
         # An older save of the same conversation (a prefix of this one) is superseded.
         for eid in [i for i, e in self._entries.items() if common_prefix(e.tokens, tokens) == len(e.tokens)]:
-            self._keep_spare(self._entries.pop(eid).state.buf)
-        entry = _Entry(tokens, rt.save_state(into=self._buffer_for(size, room)))
+            self._release(self._entries.pop(eid).state.buf)
+        while self._entries and self.bytes + held + room > self.budget:
+            self._evict()
+        entry = _Entry(tokens, rt.save_state(into=self._alloc(size)))
         self._entries[self._next_id] = entry
         self._next_id += 1
         self.saves += 1
-        self._fit()
+        self._fit()  # (a buffer from the runtime, when the arena had no room, may be larger)
 
-    def _take_spare(self, size: int) -> StateBuffer | None:
-        """The smallest spare buffer that holds `size` bytes, taken out of the spares."""
-        return _pop_fitting(self._spare, size)
+    def _alloc(self, size: int) -> StateBuffer | None:
+        """An arena block for a state of `size` bytes, evicting the least recently used
+        histories while no free run is long enough. None (the runtime then maps a fresh
+        buffer) only without an arena or for a state longer than it."""
+        if self._arena is None or size > self._arena.capacity:
+            return None
+        while (block := self._arena.alloc(size)) is None and self._entries:
+            self._evict()
+        return block
 
-    def _buffer_for(self, size: int, room: int) -> StateBuffer | None:
-        """A buffer to save a state of `size` bytes into: a spare, or else the buffer of a
-        history evicted (least recently used first) to make `room` bytes for the new entry
-        (spares would go first: they are not counted). A cache in use is full, and every save
-        would otherwise fault in fresh pages while the eviction after it freed pages as large.
-        None: the runtime allocates one."""
-        buf = self._take_spare(size)
-        if buf is not None:
-            return buf
-        free, self._spare = self._spare, []
-        while self._entries and self.bytes + room > self.budget:
-            free.append(self._entries.popitem(last=False)[1].state.buf)
-        best = _pop_fitting(free, size)
-        for b in free:
-            self._keep_spare(b)
-        return best
+    def _release(self, buf: StateBuffer | None) -> None:
+        if buf is not None and self._arena is not None and self._arena.owns(buf):
+            self._arena.free(buf)
 
-    def _keep_spare(self, buf: StateBuffer | None) -> None:
-        if buf is not None:
-            self._spare.append(buf)
-            del self._spare[: max(0, len(self._spare) - SPARE_BUFFERS)]
-            self._fit()
+    def _evict(self) -> None:
+        self._release(self._entries.popitem(last=False)[1].state.buf)
 
     def _fit(self) -> None:
-        """Within the budget: spare buffers go first, then the least recently used histories."""
-        while self.bytes > self.budget:
-            if self._spare:
-                self._spare.pop(0)
-            else:
-                self._entries.popitem(last=False)
+        """Within the budget: the least recently used histories go first."""
+        while self.bytes > self.budget and self._entries:
+            self._evict()
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._spare.clear()
+        while self._entries:
+            self._evict()
 
-
-def _pop_fitting(bufs: list[StateBuffer], size: int) -> StateBuffer | None:
-    """The smallest of `bufs` that holds `size` bytes, taken out of the list; None if none does."""
-    fit = [i for i, b in enumerate(bufs) if len(b) >= size]
-    return bufs.pop(min(fit, key=lambda i: len(bufs[i]))) if fit else None

@@ -82,23 +82,22 @@ class KvState:
         return len(self.buf)  # bytes held in RAM
 
 
-# A writable buffer a KV state is written into: an anonymous mapping for a large state (below).
-StateBuffer = bytearray | mmap.mmap
+# A writable buffer a KV state is written into: a block of the prefix cache's arena
+# (state_arena.py), or else a new one (state_buffer, below).
+StateBuffer = bytearray | mmap.mmap | memoryview
 
 # Above this a state buffer is an anonymous mapping that asks for transparent huge pages: on a
 # 2-core Xeon VM (THP "madvise"), a fresh 34 MiB buffer filled took 5.9 ms so, 15.5 ms in 4 KiB
 # pages and 38.5 ms as a bytearray, which is zeroed first (medians of 8, one thread). Fresh
 # pages stay dear there all the same: some runs of allocations faulted in at ~2.7 ms a MiB
-# (85-93 ms for 34 MiB, in the daemon too), whence the prefix cache's reused buffers.
+# (85-93 ms for 34 MiB, in the daemon too), whence the prefix cache's arena.
 _MAPPED_BUFFER = 2 << 20  # bytes: one huge page
 
 
 def state_buffer(size: int) -> StateBuffer:
-    """A new buffer for a state of `size` bytes, with room for the same conversation a little
-    longer (1/8 more, in 64 KiB steps: a 1,000-token state of the 1.5B target has room for ~125
-    more tokens), so that its next save fits the buffer this one leaves behind."""
+    """A new buffer for a state of `size` bytes (rounded up to 64 KiB)."""
     step = 64 << 10  # bytes
-    n = -(-(size + size // 8) // step) * step  # bytes
+    n = -(-size // step) * step  # bytes
     if n < _MAPPED_BUFFER:
         return bytearray(n)
     buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -720,7 +719,7 @@ class Slot:
         if self.seq == 0:
             self.rt._hid_start = self.rt._hid_n = 0
 
-    def share_prefix(self, src: Slot, n: int, scratch: StateBuffer | None = None) -> StateBuffer | None:
+    def share_prefix(self, src: Slot, n: int, scratch: StateBuffer | None = None) -> None:
         """Hold src's first n positions instead of what this slot held; truncating either
         sequence later leaves the other's intact. In the unified cache the cells are only tagged
         with this sequence as well (llama_memory_seq_cp): no copy, no compute, no extra memory.
@@ -729,19 +728,16 @@ class Slot:
         saved state instead and is cut at n: a copy of its cells (~28 KiB a token for the 1.5B
         target), still far cheaper than reading n tokens again (~60 a second on 2 cores).
 
-        The copy goes through `scratch` when it is large enough; returns the buffer it went
-        through (None without a copy), for the caller to use again."""
+        The copy goes through `scratch` when it is large enough."""
         if src.rt is not self.rt or src is self or not 0 <= n <= len(src.tokens):
             raise ValueError(f"share_prefix: {n} positions of a slot holding {len(src.tokens)}")
         if not self.rt.shares_cells:
-            state = src.save_state(into=scratch)
-            self.load_state(state, src.tokens)
+            self.load_state(src.save_state(into=scratch), src.tokens)
             self.truncate(n)
-            return state.buf
+            return
         self.reset()
         llama_cpp.llama_memory_seq_cp(self.rt._mem, src.seq, self.seq, 0, n)
         self.tokens[:] = src.tokens[:n]  # in place: Runtime.tokens is slot 0's list
-        return None
 
     def save_state(self, into: StateBuffer | None = None) -> KvState:
         """This sequence's KV cache (restore with load_state); written into `into` if it is large enough."""

@@ -203,7 +203,8 @@ def estimate(
 
 
 def prefix_cache_budget(cfg: MemoryConfig) -> int:
-    """Bytes of saved KV states the prefix cache may keep in RAM; plan_load counts all of them."""
+    """Bytes of saved KV states the prefix cache keeps in RAM (its arena, held and written at
+    warm-up); plan_load counts all of them."""
     return cfg.prefix_cache_mib * MiB
 
 

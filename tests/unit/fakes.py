@@ -99,10 +99,9 @@ class FakeRuntime:
     def reset(self) -> None:
         self.tokens = []
 
-    def share_prefix(self, src: FakeRuntime, n: int, scratch: bytearray | None = None) -> bytearray | None:
+    def share_prefix(self, src: FakeRuntime, n: int, scratch: bytearray | None = None) -> None:
         assert src.rt is self.rt and 0 <= n <= len(src.tokens), "share_prefix: another runtime, or too long"
-        self.tokens = list(src.tokens[:n])
-        return None  # as in llama.cpp's unified cache: no copy
+        self.tokens = list(src.tokens[:n])  # as in llama.cpp's unified cache: no copy
 
     def is_eog(self, token: int) -> bool:
         return token == self.eos

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.llama.runtime import state_buffer
+from homespec.llama.state_arena import block_size
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 
 from .fakes import FakeRuntime
@@ -238,65 +241,63 @@ def test_a_host_whose_slots_have_caches_of_their_own_still_lends_prefixes_keeps_
     assert host.batch(prefill_chunk=64).max_rows == EXACT_MAX_ROWS
 
 
-def test_the_buffer_of_a_restored_history_is_what_the_next_save_writes_into():
+def test_a_conversation_saved_again_longer_is_written_where_its_restored_save_was():
     rt, cache = FakeRuntime(n_ctx=2048), PrefixCache(1 << 20, min_tokens=16)
     a, b = SYSTEM_A + list(range(200, 230)), SYSTEM_B + list(range(300, 330))
     rt.tokens = list(a)
     cache.prepare(rt, b)  # A is saved: B throws all of it away
     (saved_a,) = [e.state for e in cache._entries.values()]
+    where = cache._arena.offset(saved_a.buf)
     rt.tokens = list(b)
-    cache.prepare(rt, a + [1])  # B is saved, A restored and taken over by the slot
+    cache.prepare(rt, a + [1])  # B is saved, A restored and taken over by the slot: its memory is free
     assert rt.tokens == a and cache.restores == 1
-    rt.tokens = a[:-5] + [1, 2, 3, 4, 5]  # A answered again, as long as before
+    rt.tokens = a + [1, 2, 3, 4, 5]  # A answered again, longer than before
     cache.prepare(rt, b + [7])
     states = {tuple(e.tokens): e.state for e in cache._entries.values()}
-    assert states[tuple(a[:-5] + [1, 2, 3, 4, 5])].buf is saved_a.buf  # not a fresh one
+    assert cache._arena.offset(states[tuple(a + [1, 2, 3, 4, 5])].buf) == where  # the same memory, grown
     assert rt.tokens == b  # and B came back whole from its own state
 
 
-def test_spare_buffers_count_against_the_budget_and_go_before_any_saved_history():
-    rt = FakeRuntime(n_ctx=2048)
-    a, b = SYSTEM_A + list(range(200, 230)), SYSTEM_B + list(range(300, 330))
-    cache = PrefixCache(2 * 8 * len(a), min_tokens=16)  # room for two histories (4 bytes a token of state, 4 of tokens)
-    rt.tokens = list(a)
-    cache.prepare(rt, b)  # A saved
-    rt.tokens = list(b)
-    cache.prepare(rt, a)  # B saved; A restored: its buffer is now a spare
-    assert cache.bytes <= cache.budget
-    assert len(cache) == 1 and len(cache._spare) == 1
-    cache.budget = cache.bytes - 1  # one byte short: the spare goes, B's history stays
-    cache._fit()
-    assert len(cache) == 1 and cache._spare == []
-
-
-def test_a_new_state_buffer_has_room_for_the_conversation_an_eighth_longer():
-    per_token = 28 << 10  # bytes: the 1.5B target's f16 cells
-    for tokens in (16, 1000, 4096):
-        assert len(state_buffer(tokens * per_token)) >= (tokens + tokens // 8) * per_token
-        assert len(state_buffer(tokens * per_token)) <= (tokens + tokens // 8) * per_token + (64 << 10)
-
-
-def test_a_full_cache_saves_into_the_buffer_of_the_history_it_evicts():
+def test_a_full_cache_saves_into_the_memory_of_the_history_it_evicts():
     rt = FakeRuntime(n_ctx=2048)
     a, b, c = (SYSTEM_A + list(range(200 + 100 * i, 230 + 100 * i)) for i in range(3))
-    cache = PrefixCache(2 * 8 * len(a), min_tokens=16)  # room for two histories (4 bytes a token of state, 4 of tokens)
+    # room for two histories: 4 bytes a token of state, in a block of whole cache lines, and 4 of tokens
+    cache = PrefixCache(2 * (block_size(4 * len(a)) + 4 * len(a)), min_tokens=16)
     rt.tokens = list(a)
     cache.prepare(rt, SYSTEM_B)  # A saved
     (saved_a,) = [e.state for e in cache._entries.values()]
+    where = cache._arena.offset(saved_a.buf)
     rt.tokens = list(b)
     cache.prepare(rt, SYSTEM_B)  # B saved: the cache is full
     rt.tokens = list(c)
     cache.prepare(rt, SYSTEM_B)  # C saved: A, the least recently used, makes room
     states = {tuple(e.tokens): e.state for e in cache._entries.values()}
     assert set(states) == {tuple(b), tuple(c)}
-    assert states[tuple(c)].buf is saved_a.buf  # not a fresh one
-    assert cache.bytes <= cache.budget and cache._spare == []
+    assert cache._arena.offset(states[tuple(c)].buf) == where
+    assert cache.bytes <= cache.budget
+
+
+def test_every_save_lands_in_the_arena_and_no_two_saved_states_overlap_over_many_conversations():
+    rng = random.Random(7)
+    rt = FakeRuntime(n_ctx=4096)
+    cache = PrefixCache(8 * 3 * 300, min_tokens=16)  # room for ~3 histories of 300 tokens
+    convs = [[1000 * i + j for j in range(rng.randrange(20, 400))] for i in range(1, 12)]
+    for _ in range(300):
+        conv = rng.choice(convs)
+        prompt = conv[: rng.randrange(17, len(conv) + 1)] + [rng.randrange(50_000, 60_000)]
+        n = cache.prepare(rt, prompt)  # FakeRuntime.load_state asserts the restored bytes are the saved tokens
+        assert rt.tokens[:n] == prompt[:n]
+        rt.tokens = list(prompt)  # what sync and prefill leave
+        assert cache.bytes <= cache.budget
+        blocks = sorted((cache._arena.offset(e.state.buf), len(e.state.buf)) for e in cache._entries.values())
+        assert all(o1 + n1 <= o2 for (o1, n1), (o2, _) in zip(blocks, blocks[1:], strict=False))
+    assert cache.saves > 100 and cache.restores > 50
 
 
 def test_a_history_larger_than_the_whole_budget_is_not_saved_and_evicts_nothing():
     rt = FakeRuntime(n_ctx=2048)
     a = SYSTEM_A + list(range(200, 230))
-    cache = PrefixCache(8 * len(a) + 8, min_tokens=16)  # room for A, not for A and a token more of it
+    cache = PrefixCache(block_size(4 * len(a)) + 4 * len(a) + 8, min_tokens=16)  # room for A, not for A 20 tokens longer
     rt.tokens = list(a)
     cache.prepare(rt, SYSTEM_B)
     rt.tokens = a + list(range(300, 320))
