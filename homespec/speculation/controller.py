@@ -30,6 +30,9 @@ most exactly where a long draft is at stake: the same 6-token prompt-lookup matc
 full, a chat answer leaves after one token. On 2 cores a 16-token draft rejected early costs ~6
 passes; capped (k0 = 4-5 there), the loss is at most 3, while a real copy reaches k = 16 by its
 second or third step. On a GPU's flat cost curve k0 is k_max: there a long draft risks little.
+Tokens of the output that a prompt-lookup proposal shows copying the prompt count as earned too:
+where even 2 or 3 rows cost nearly as many passes (a 2-core EPYC), no unearned draft pays, and
+an edit would otherwise never draft at all.
 
 Exploration: a proposer that is never chosen is never measured, so a change of workload (prose
 to code) would go unnoticed. A proposer not tried for `explore_every` steps gets one probe step,
@@ -121,6 +124,7 @@ class RequestState:
 
     sampled: bool = False  # the request samples (temperature > 0)
     earned: dict[str, int] = field(default_factory=dict)  # proposer -> longest accepted run in it
+    prompt_len: int = 0  # tokens: the context past it is this request's output
     probing: str | None = None  # the proposer of a decided probe step (its k may be clipped)
     # The request's own proposer instances by name (several requests at once each have theirs:
     # a draft model's KV sequence, a prompt-lookup index); None: the registry's.
@@ -258,6 +262,7 @@ class Controller:
         delays the second for nothing otherwise, and every other request's next token with it);
         the rest catch up if a probe picks them (decide charges the catch-up)."""
         self.req.earned = {}
+        self.req.prompt_len = len(prompt)
         self.req.sampled = sampled
         self.req.alongside = alongside
         plain = self._plain()
@@ -379,9 +384,9 @@ class Controller:
         out: dict[str, Option] = {}
         unearned = self._unearned_k()
         for name, p in self._usable().items():
-            earned = max(unearned, EARNED_GROWTH * self.req.earned.get(name, 0))
             preview = p.preview(context, self.k_max)
             if preview.available > 0:  # nothing to propose: not a candidate now
+                earned = max(unearned, EARNED_GROWTH * self.req.earned.get(name, 0), self._copied(context, preview.evidence))
                 self._shown[name] = preview.evidence
                 lag = p.lag(context)
                 switch_s = self.cost.catchup(name, lag) if lag > IN_STEP_LAG else 0.0
@@ -404,6 +409,14 @@ class Controller:
     def _bar(self, plain: Candidate) -> float:
         """The rate a speculative candidate must reach: min_gain over plain decoding."""
         return plain.rate * self.cfg.min_gain
+
+    def _copied(self, context: Sequence[int], evidence: Evidence) -> int:
+        """Tokens of this request's output that its proposal shows copying the prompt: a draft
+        as long is earned, as by an accepted run. The output wrote them itself, so they speak for
+        this request as the pooled acceptance cannot. Where one pass of a few rows costs nearly as
+        many single passes (a 2-core EPYC: 3 rows ~2.7x), no draft short enough to go unearned
+        can pay, so nothing is drafted and nothing earned; an edit earns its drafts this way."""
+        return min(evidence.match, len(context) - self.req.prompt_len) if evidence.from_prompt else 0
 
     def _unearned_k(self) -> int:
         """The longest draft whose verification costs at most UNEARNED_PASSES single passes."""
