@@ -44,8 +44,11 @@ class _StatefulRuntime(Protocol):
 
     def state_size(self) -> int: ...  # bytes save_state would write now
 
-    # src: another sequence of the same context; a copy (if one is needed) goes through scratch
+    # src: another sequence of the same context; a copy (unless shares_cells) goes through scratch
     def share_prefix(self, src: Any, n: int, scratch: StateBuffer | None = None) -> None: ...
+
+    @property
+    def shares_cells(self) -> bool: ...  # share_prefix borrows cells, no copy
 
 
 @dataclass
@@ -116,7 +119,8 @@ class PrefixCache:
                 lender, lent = peer, n
         if lender is not None and lent >= best_len:  # a tie with a saved state: sharing is free
             self._save_live(rt, keep=live)
-            scratch = self._alloc(lender.state_size())
+            # (a copy only with a stream per sequence: else no block, and no history evicted for one)
+            scratch = None if rt.shares_cells else self._alloc(lender.state_size())
             rt.share_prefix(lender, lent, scratch=scratch)
             self._release(scratch)
             self.shares += 1

@@ -684,6 +684,10 @@ class Slot:
         return self.rt.n_ctx
 
     @property
+    def shares_cells(self) -> bool:
+        return self.rt.shares_cells  # share_prefix borrows cells without a copy
+
+    @property
     def n_vocab(self) -> int:
         return self.rt.n_vocab
 

@@ -128,6 +128,10 @@ class FakeSlot(FakeRuntime):
     def slot(self, i: int) -> FakeRuntime:
         return self.rt.slot(i)
 
+    @property
+    def shares_cells(self) -> bool:  # type: ignore[override]
+        return self.rt.shares_cells  # the owner's setting, as Slot reads its Runtime's
+
 
 class ScriptedNgram(NgramProposer):
     """Prompt lookup whose match is scripted (`peek(context, k) -> Match`): the controller sees

@@ -315,3 +315,19 @@ def test_a_large_state_buffer_is_a_mapping_llama_cpp_writes_into_in_place():
     ctypes.memset((ctypes.c_uint8 * size).from_buffer(buf), 7, size)  # as llama_state_seq_get_data writes
     assert buf[0] == buf[size - 1] == 7
     assert isinstance(state_buffer(16 * (28 << 10)), bytearray)  # a short one: no mapping of its own
+
+
+def test_a_prefix_borrowed_without_a_copy_takes_no_arena_memory_and_a_copied_one_does():
+    rt = FakeRuntime(n_seq=2, n_ctx=1024)
+    lender, slot = rt.slot(1), rt.slot(0)
+    lender.eval(SYSTEM_A + list(range(200, 260)))
+    for shares in (True, False):
+        rt.shares_cells = shares
+        cache = PrefixCache(1 << 20, min_tokens=16)
+        blocks: list[int] = []  # sizes asked of the arena
+        real_alloc = cache._arena.alloc
+        cache._arena.alloc = lambda size, real_alloc=real_alloc, blocks=blocks: blocks.append(size) or real_alloc(size)
+        slot.reset()
+        assert cache.prepare(slot, SYSTEM_A + [1], peers=[lender]) == len(SYSTEM_A) and cache.shares == 1
+        assert (blocks == []) == shares  # a unified cache tags cells: nothing to evict a history for
+        assert cache._arena.used == 0
