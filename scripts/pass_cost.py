@@ -6,8 +6,8 @@ sizes taking turns within a round. Compare the ratios of one run, not times acro
 
 Speculation and batching both live on the ratio: where a 5-row pass costs 1.5x a 1-row pass
 (the AVX-512 Xeon, llama-bench) verifying 4 drafted tokens is cheap; where it costs ~4x, neither
-pays much. Run it under the environment the daemon has (`homespec doctor` says whether that
-includes GLIBC_TUNABLES=glibc.malloc.hugetlb=1); PYTHONPATH may point at another llama_cpp build.
+pays much. It runs again at once with huge pages asked for where the daemon would be
+(hugepages.environ_with_huge_pages); PYTHONPATH may point at another llama_cpp build.
 
     .venv/bin/python scripts/pass_cost.py [--history 1000] [--rounds 6] [--no-repack]
 """
@@ -15,13 +15,16 @@ includes GLIBC_TUNABLES=glibc.malloc.hugetlb=1); PYTHONPATH may point at another
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import llama_cpp
 
+from homespec.llama.hugepages import environ_with_huge_pages
 from homespec.llama.runtime import Runtime, RuntimeOptions, physical_cores
 
 TARGET = Path(__file__).resolve().parent.parent / "models" / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -35,6 +38,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-repack", action="store_true", help="llama.cpp's weights as stored (use_extra_bufts off)")
     args = ap.parse_args()
+    env = environ_with_huge_pages()  # None: already asked for, or nothing to change here
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     rng = random.Random(0)
     rt = Runtime(
         TARGET,
