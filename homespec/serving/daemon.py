@@ -481,9 +481,11 @@ class Daemon:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+        # State first: a reader that finds no session (ps, loaded) must also find "unloaded", and
+        # dropping the session frees the models and the prefix cache's memory, which takes a while.
+        self.state = "unloaded"
         self.session.close()
         self.session = None
-        self.state = "unloaded"
         self.metrics.warm.set(0)
         self.metrics.model_loaded.labels("target").set(0)
         self.metrics.model_loaded.labels("draft").set(0)
