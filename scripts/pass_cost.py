@@ -9,7 +9,7 @@ Speculation and batching both live on the ratio: where a 5-row pass costs 1.5x a
 pays much. It runs again at once with huge pages asked for where the daemon would be
 (hugepages.environ_with_huge_pages); PYTHONPATH may point at another llama_cpp build.
 
-    .venv/bin/python scripts/pass_cost.py [--history 1000] [--rounds 6] [--no-repack]
+    .venv/bin/python scripts/pass_cost.py [--history 1000] [--rounds 6] [--no-repack] [--rows 1,5,17,33]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=1000, help="tokens already in every sequence")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--no-repack", action="store_true", help="llama.cpp's weights as stored (use_extra_bufts off)")
+    ap.add_argument("--rows", type=lambda s: sorted({1, *(int(x) for x in s.split(","))}), default=list(ROWS),
+                    help=f"comma-separated pass sizes of one sequence (1 is always timed; default {','.join(map(str, ROWS))})")
     args = ap.parse_args()
     env = environ_with_huge_pages()  # None: already asked for, or nothing to change here
     if env is not None:
@@ -56,7 +58,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {}  # label -> seconds per pass
     for _ in range(args.rounds):
-        for n in ROWS:
+        for n in args.rows:
             t0 = time.perf_counter()
             slots[0].eval(tokens(n), output="all")
             times.setdefault(f"{n:>2} rows of one sequence", []).append(time.perf_counter() - t0)
