@@ -151,6 +151,10 @@ class NgramConfig(_Strict):
     # Long matches mark copying (an edit, a quote), where long drafts pay; the controller
     # tracks acceptance per match length, so the lookup must be able to see them.
     n_max: int = Field(12, ge=1, le=32, description="Longest suffix n-gram to look up")
+    # Earlier answers, drafted from when a request asks the same again (ngram_memory.py). 32768
+    # tokens hold ~100 answers of a few hundred tokens in ~8 MB; 0 keeps every request to its
+    # own text (a request's speed then says nothing about what others were told).
+    memory_tokens: int = Field(32768, ge=0, le=1 << 22, description="Tokens of earlier answers prompt lookup may draft from (0 = off)")
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramConfig:

@@ -32,6 +32,7 @@ from homespec.speculation.controller import Controller
 from homespec.speculation.costs import expected_emitted
 from homespec.speculation.engine import FORCED, OFF, Decision, FixedPolicy, GenerationStats, SpeculationPolicy, StepStats, StepTally
 from homespec.speculation.proposers.base import Proposer
+from homespec.speculation.proposers.ngram_memory import NgramMemory
 from homespec.speculation.sampling import SamplingParams
 
 WORKLOADS = ("code", "edit", "chat", "json", "fim")
@@ -228,6 +229,9 @@ class _AutoRecorder:
         self.c.observe(step)
         self.steps.append(step)
 
+    def end(self, context: Sequence[int]) -> None:
+        self.c.end(context)
+
 
 def predicted_gain(controller: Controller, proposer: str, k: int, position_acceptance: Sequence[float]) -> float | None:
     """What the cost model predicts for a fixed arm, given the acceptance that arm saw: a check
@@ -273,6 +277,11 @@ def run_bench(
     results: list[ArmResult] = []
     prefill: dict[str, float] = {}
     failed: dict[str, str] = {}  # peer arm -> why it stopped
+    # Each arm drafts only from answers it gave itself (prompt lookup's memory of earlier
+    # requests), as each llama-server arm has only its own ngram-mod pool: an arm that read the
+    # answer another arm just gave to the same prompt would be measuring that arm, not itself.
+    shared_memory = session.ngram_memory
+    memories = {a.name: NgramMemory(shared_memory.capacity) for a in arms} if shared_memory is not None else {}
     for wl in workloads:
         by_arm = {a.name: ArmResult(a.name, wl.name) for a in arms}
         prefill_tokens, prefill_s = 0, 0.0
@@ -308,6 +317,7 @@ def run_bench(
                         progress(str(e))
                         continue
                 else:
+                    session.use_ngram_memory(memories.get(arm.name))
                     run = runs[arm.name] = _run_arm(session, arm, tokens, greedy, max_tokens, reference, grammar)
                 run.rss_mib = proc.memory_info().rss / 2**20
                 progress(f"{wl.name} #{i + 1} {arm.name:15s} {run.tokens:4d} tok {run.seconds:6.2f} s")
@@ -327,6 +337,7 @@ def run_bench(
                 arm = next(a for a in arms if a.name == r.arm)
                 r.expected_gain = predicted_gain(session.controller, arm.mode, arm.k, r.tally.position_acceptance)
         results.extend(r for r in by_arm.values() if r.runs)
+    session.use_ngram_memory(shared_memory)
     return BenchReport(
         machine={"cpu_threads": models.target.n_threads, "cpus": psutil.cpu_count(), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1)},
         config={"target": models.target_name, "draft": models.draft_name, "max_tokens": max_tokens, "n_ctx": models.target.n_ctx},

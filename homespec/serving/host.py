@@ -27,6 +27,7 @@ from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.mtp import MTPProposer
 from homespec.speculation.proposers.ngram import NgramProposer
+from homespec.speculation.proposers.ngram_memory import NgramMemory
 from homespec.speculation.sampling import SamplingParams, with_logit_bias
 from homespec.tokens import common_prefix
 
@@ -98,12 +99,13 @@ class Generation:
             close()
 
 
-def build_proposers(cfg: Config, models: ModelSet, slot: int = 0) -> list[Proposer]:
+def build_proposers(cfg: Config, models: ModelSet, slot: int = 0, memory: NgramMemory | None = None) -> list[Proposer]:
     """Every proposer the loaded models allow for a request in KV sequence `slot` (ngram needs
-    no model; a draft model reads along in its own sequence of the same number; the MTP head
-    reads the hidden states the target keeps for slot 0 only)."""
+    no model, and drafts from `memory`, the earlier answers every slot shares, too; a draft
+    model reads along in its own sequence of the same number; the MTP head reads the hidden
+    states the target keeps for slot 0 only)."""
     ngram = cfg.speculation.ngram
-    out: list[Proposer] = [NgramProposer(ngram.n_min, ngram.n_max)]
+    out: list[Proposer] = [NgramProposer(ngram.n_min, ngram.n_max, memory)]
     if models.draft is not None:
         out.append(DraftProposer(models.draft if slot == 0 else models.draft.slot(slot), models.target.n_vocab))
     if models.mtp_head is not None and slot == 0:
@@ -117,7 +119,8 @@ class Host:
         self.models = models
         spec = cfg.speculation
         k_max = min(cfg.k_limit, models.target.n_ctx - 1)
-        self.controller = Controller(build_proposers(cfg, models), spec.controller, k_max=k_max)
+        self.ngram_memory = NgramMemory(spec.ngram.memory_tokens) if spec.ngram.memory_tokens else None
+        self.controller = Controller(build_proposers(cfg, models, memory=self.ngram_memory), spec.controller, k_max=k_max)
         self.engine = Engine(models.target)
         # Proposer instances of the slots other than 0 (slot 0 uses the controller's registry).
         self._slot_proposers: dict[int, dict[str, Proposer]] = {}
@@ -274,8 +277,16 @@ class Host:
         if slot == 0:
             return None  # the registry's
         if slot not in self._slot_proposers:
-            self._slot_proposers[slot] = {p.name: p for p in build_proposers(self.cfg, self.models, slot)}
+            self._slot_proposers[slot] = {p.name: p for p in build_proposers(self.cfg, self.models, slot, self.ngram_memory)}
         return self._slot_proposers[slot]
+
+    def use_ngram_memory(self, memory: NgramMemory | None) -> None:
+        """Prompt lookup drafts from (and remembers into) `memory` from now on, in every slot:
+        the bench gives each arm its own, as each llama-server it runs beside has its own."""
+        self.ngram_memory = memory
+        for p in [*self.controller.proposers.values(), *(p for s in self._slot_proposers.values() for p in s.values())]:
+            if isinstance(p, NgramProposer):
+                p.memory = memory
 
     def available_modes(self) -> list[Mode]:
         """auto, off, and a fixed mode per proposer loaded now, in Mode's order."""

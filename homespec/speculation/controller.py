@@ -95,6 +95,7 @@ class AcceptanceKey(NamedTuple):
     proposer: str
     match: int = 0  # the proposal's evidence strength (prompt lookup: its match-length bucket); 0 = none
     from_prompt: bool = False  # the proposal copies the prompt rather than the answer
+    from_memory: bool = False  # the proposal copies an earlier request's answer
     sampled: bool = False  # a temperature > 0 request
 
 
@@ -285,6 +286,11 @@ class Controller:
             out.append(p)
         return out
 
+    def end(self, context: Sequence[int]) -> None:
+        """The request ended with `context`: its proposers keep what helps later requests."""
+        for p in self._usable().values():
+            p.end(context)
+
     def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         self.step_no += 1
         self.req.probing = None
@@ -363,7 +369,7 @@ class Controller:
         match is often a coincidence, and a long repeat of the answer's own words breaks off
         sooner than a copy). Sampled requests are tracked apart: a token drawn at temperature 0.8
         is accepted less often than an argmax, and mixing the two would mislead both."""
-        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, self.req.sampled)
+        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, evidence.from_memory, self.req.sampled)
 
     def _prior(self, key: AcceptanceKey) -> float:
         """Acceptance assumed before any observation. With evidence of strength m (prompt lookup:
@@ -416,7 +422,8 @@ class Controller:
         this request as the pooled acceptance cannot. Where one pass of a few rows costs nearly as
         many single passes (a 2-core EPYC: 3 rows ~2.7x), no draft short enough to go unearned
         can pay, so nothing is drafted and nothing earned; an edit earns its drafts this way."""
-        return min(evidence.match, len(context) - self.req.prompt_len) if evidence.from_prompt else 0
+        copying = evidence.from_prompt or evidence.from_memory  # an earlier answer, said again, is copied as well
+        return min(evidence.match, len(context) - self.req.prompt_len) if copying else 0
 
     def _unearned_k(self) -> int:
         """The longest draft whose verification costs at most UNEARNED_PASSES single passes."""
@@ -515,6 +522,10 @@ class RequestPolicy:
     def observe(self, step: StepStats) -> None:
         self.controller.req = self.state
         self.controller.observe(step)
+
+    def end(self, context: Sequence[int]) -> None:
+        self.controller.req = self.state
+        self.controller.end(context)
 
 
 class Observed(FixedPolicy):

@@ -112,6 +112,11 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, step: StepStats) -> None: ...
 
+    def end(self, context: Sequence[int]) -> None:
+        """The generation ended with `context` (prompt + answer), having begun (it answered more
+        than its first token): the proposers keep what helps later ones (Proposer.end)."""
+        ...
+
 
 class FixedPolicy:
     """Always the same proposer and k (k = 0 or no proposer: plain decoding)."""
@@ -129,6 +134,10 @@ class FixedPolicy:
 
     def observe(self, step: StepStats) -> None:
         pass
+
+    def end(self, context: Sequence[int]) -> None:
+        if self.decision.proposer is not None:
+            self.decision.proposer.end(context)
 
 
 @dataclass
@@ -343,6 +352,8 @@ class Engine:
             if event.finish_reason is not None:
                 out.finish(event)
                 st.total_s = time.perf_counter() - t_start
+                if not prompt:  # the proposers were begun (after the first token)
+                    policy.end(ctx)
                 yield event
                 return
             alongside = (yield event) or 0

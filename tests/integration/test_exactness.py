@@ -90,3 +90,33 @@ def test_self_speculation_accepts_nearly_everything(draft_rt):
     finally:
         twin.close()
         draft_rt.reset()
+
+
+@pytest.mark.integration
+def test_the_same_question_again_drafts_its_remembered_answer_and_says_the_same(target_rt, epsilon):
+    """Prompt lookup across requests (ngram_memory.py) on the real target: the second time, the
+    first answer is the draft. It is verified as any draft is, so the text is the target's argmax
+    and equals the first answer up to a near-tie (batch noise, as above); what was the same is
+    drafted nearly whole."""
+    from homespec.speculation.proposers.ngram_memory import NgramMemory
+
+    rec = Recording(target_rt)
+    engine = Engine(rec)
+    prompt = encode(target_rt, PROMPTS[0])
+    first, _ = generate(engine, prompt, FixedPolicy())
+    margins = {pos: margin(row) for pos, row in rec.rows}
+    memory = NgramMemory(8192)
+    memory.add(prompt + first, len(prompt))  # as the engine's end of a generation does
+    rec.rows.clear()
+    again, st = generate(engine, prompt, FixedPolicy(NgramProposer(2, 12, memory), 8))
+    verified = dict(rec.rows)
+    for i, tok in enumerate(again[1:], start=1):
+        assert int(np.argmax(verified[len(prompt) + i - 1])) == tok, f"token {i} is not the target's argmax"
+    j = first_divergence(first, again)
+    print(f"\nthe same question again: {st.accepted}/{st.proposed} drafted tokens kept in {st.steps} steps; "
+          f"{'same text' if j is None else f'diverged at token {j}'}")
+    if j is not None:
+        m = margins.get(len(prompt) + j - 1)
+        assert m is not None and m < 2 * epsilon, f"diverged at token {j} where the top-2 margin was {m}"
+    same = len(first) if j is None else j  # tokens the memory held right
+    assert st.accepted >= 0.8 * (same - 1) - 8  # all but the first token and the step that met the divergence

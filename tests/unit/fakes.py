@@ -165,6 +165,9 @@ class ScriptedModel:
     def lag(self, context: Sequence[int]) -> int:
         return self.behind
 
+    def end(self, context: Sequence[int]) -> None:
+        pass
+
     def propose(self, context, k, params, rng):
         raise AssertionError("scripted: the test plays the proposals")
 

@@ -262,6 +262,17 @@ def test_an_output_copying_its_prompt_earns_drafts_as_long_as_the_copy_where_no_
     assert c.decide(prompt + [1] * 40).name == OFF
 
 
+def test_an_answer_repeating_an_earlier_answer_earns_drafts_as_a_copy_of_the_prompt_does():
+    again = Match([1] * 16, 32, from_memory=True)  # the same question asked before: its answer, remembered
+    m = Machine(epyc_cost, {})
+    c = m.controller(proposers=("ngram",))
+    prompt = [0] * 100
+    c.begin(prompt)
+    c.proposers["ngram"].peek = lambda ctx, k: again
+    assert c.decide(prompt + [1] * 3).name == OFF  # 3 tokens said again: too few to trust
+    assert c.decide(prompt + [1] * 40).k == 16
+
+
 def test_sampled_and_greedy_requests_learn_acceptance_separately():
     m = Machine(gpu_cost, {"draft": 0.95}, draft_s=0.002, ngram_cont=0)
     c = m.controller(proposers=("draft",))

@@ -37,6 +37,9 @@ class RepeatLast:
     def lag(self, context: Sequence[int]) -> int:
         return 0
 
+    def end(self, context: Sequence[int]) -> None:
+        pass
+
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
         t0 = time.perf_counter()
         return Proposal([context[-1]] * k, None, time.perf_counter() - t0)

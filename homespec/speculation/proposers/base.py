@@ -30,6 +30,7 @@ class Evidence:
 
     match: int = 0  # evidence strength: ngram's match-length bucket; 0 = not applicable
     from_prompt: bool = False  # the proposal copies the prompt rather than repeating the answer
+    from_memory: bool = False  # the proposal copies an earlier request's answer
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,11 @@ class Proposer(Protocol):
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:
         """Guess up to k tokens that follow `context`."""
+        ...
+
+    def end(self, context: Sequence[int]) -> None:
+        """The generation it was begun for ended with `context` (prompt + answer): keep what
+        helps later requests (prompt lookup remembers the answer)."""
         ...
 
     def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:

@@ -49,6 +49,9 @@ class DraftProposer:
         """Tokens of `context` this draft has not read yet (the cost of using it now)."""
         return len(context) - common_prefix(self.rt.tokens, context)
 
+    def end(self, context: Sequence[int]) -> None:
+        pass  # its KV cache already holds what a next turn could reuse
+
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:

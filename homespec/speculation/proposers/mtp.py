@@ -87,6 +87,9 @@ class MTPProposer:
         last = len(context) - 2
         return max(0, min(self.window, last + 1 - self._keep(context)))
 
+    def end(self, context: Sequence[int]) -> None:
+        pass  # the head's entries follow the target's cache, nothing to keep
+
     def _sync(self, context: Sequence[int], last: int) -> tuple[np.ndarray, np.ndarray, int] | None:
         """Make real entries ..last valid; return (ĥ, logits [V'], entries built) of entry
         `last`, or None when the target kept no hidden state for it."""

@@ -10,10 +10,12 @@ extended incrementally as the context grows; a context that is not an extension 
 one (a new request) rebuilds it. Memory: n_max dict entries per context token.
 
 A match also says how much it can be trusted, for the controller: its full length (the suffix is
-compared further back than n_max, up to MATCH_CAP tokens) and whether it copies from the prompt
-or repeats the answer. Measured on greedy outputs of the bench's workloads (the 1.5B target, a
-16-token continuation): edits copying the prompt kept 10-14 tokens whatever the match length,
-while prose repeating itself kept 2-8 even on matches of 16-31 tokens.
+compared further back than n_max, up to MATCH_CAP tokens) and whether it copies from the prompt,
+repeats the answer, or comes from an earlier request's answer (ngram_memory.py: looked up too,
+and taken where it matches further back than the request's own text does). Measured on greedy
+outputs of the bench's workloads (the 1.5B target, a 16-token continuation): edits copying the
+prompt kept 10-14 tokens whatever the match length, while prose repeating itself kept 2-8 even
+on matches of 16-31 tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from homespec.speculation.proposers.base import Evidence, Preview, Proposal, ProposalInfo, ProposerCost
+from homespec.speculation.proposers.ngram_memory import NgramMemory
 from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
@@ -37,6 +40,7 @@ class Match:
     length: int = 0  # tokens of the context's suffix that equal those before the continuation (<= MATCH_CAP)
     at: int = 0  # context position the continuation was copied from
     from_prompt: bool = False  # it copies the prompt (an edit), rather than repeating the answer
+    from_memory: bool = False  # it copies an earlier request's answer (the same question again)
 
 
 NO_MATCH = Match([])
@@ -101,9 +105,10 @@ class NgramProposer:
     name = "ngram"
     free_prefill = True  # indexing the prompt costs microseconds and marks where it ends
 
-    def __init__(self, n_min: int = 2, n_max: int = 5) -> None:
+    def __init__(self, n_min: int = 2, n_max: int = 5, memory: NgramMemory | None = None) -> None:
         self.index = NgramIndex(n_min, n_max)
         self.prompt_len = 0  # tokens of the current request's prompt: a match before it copies the prompt
+        self.memory = memory  # earlier requests' answers (shared by every slot); None: this request only
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.index.sync(prompt)
@@ -114,12 +119,17 @@ class NgramProposer:
         if self.index.sync(context):  # a new request that did not call begin(): its context is the prompt
             self.prompt_len = len(context)
         m = self.index.lookup(k)
-        return replace(m, from_prompt=m.at < self.prompt_len) if m.tokens else m
+        m = replace(m, from_prompt=m.at < self.prompt_len) if m.tokens else m
+        if self.memory is not None:
+            tokens, length = self.memory.lookup(context, k, MATCH_CAP)
+            if length > m.length:  # a repeated question beats a phrase of its own that recurs
+                return Match(tokens, length, from_memory=True)
+        return m
 
     def evidence(self, m: Match) -> Evidence:
         """Acceptance is learned per match: its length bucket (a match shorter than n_min
-        counts as n_min) and whether it copies the prompt."""
-        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt)
+        counts as n_min) and what it copies (the prompt, the answer, an earlier answer)."""
+        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt, m.from_memory)
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
         m = self.match(context, k)
@@ -127,6 +137,11 @@ class NgramProposer:
 
     def lag(self, context: Sequence[int]) -> int:
         return 0  # the index extends itself in microseconds
+
+    def end(self, context: Sequence[int]) -> None:
+        """The answer is remembered for later requests (its prompt's tail included)."""
+        if self.memory is not None:
+            self.memory.add(context, self.prompt_len)
 
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
