@@ -26,11 +26,11 @@ def free_port() -> int:
 
 
 def write_config(config: Path, overrides: dict[str, dict[str, Any]], out: Path) -> Path:
-    """config.yaml with `overrides` ({section: {key: value}}) applied, its paths absolute."""
+    """config.yaml with `overrides` ({section: {key: value}}, nested sections merged) applied,
+    its paths absolute."""
     cfg = yaml.safe_load(config.read_text()) if config.exists() else {}
     cfg = cfg or {}
-    for section, values in overrides.items():
-        cfg.setdefault(section, {}).update(values)
+    _merge(cfg, overrides)
     models = cfg.setdefault("models", {})
     for ref in ("target", "draft"):
         m = models.get(ref)
@@ -42,6 +42,14 @@ def write_config(config: Path, overrides: dict[str, dict[str, Any]], out: Path) 
     models["registry"] = str((config.parent / models.get("registry", "models/registry.yaml")).resolve())
     out.write_text(yaml.safe_dump(cfg))
     return out
+
+
+def _merge(into: dict[str, Any], overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def start(config: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str, float]:

@@ -13,6 +13,12 @@ client, streaming, greedy, client-side timing:
 
     .venv/bin/python scripts/parallel_load.py [--config config.yaml] [--clients 4] [--max-tokens 128] [--rounds 2]
         [--context-words 0] [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
+        [--memory]
+
+The daemon runs without its memory of earlier answers (speculation.ngram.memory_tokens 0) unless
+--memory is given: every round asks the same prompts one at a time and then at once, and with the
+memory the later requests would draft the earlier ones' answers, which measures the memory, not
+several apps at once. (llama-server's ngram-mod keeps its pool across requests all the same.)
 """
 
 from __future__ import annotations
@@ -93,9 +99,13 @@ def main() -> None:
     ap.add_argument("--peer", action="store_true", help="also run the load against llama-server -np N")
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
     ap.add_argument("--peer-settings", default="plain,ngram-simple,ngram-mod,draft")
+    ap.add_argument("--memory", action="store_true", help="keep the daemon's memory of earlier answers on")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="homespec-parallel-"))
-    config = write_config(args.config, {"server": {"parallel": args.clients}}, tmp / "config.yaml")
+    overrides: dict = {"server": {"parallel": args.clients}}
+    if not args.memory:
+        overrides["speculation"] = {"ngram": {"memory_tokens": 0}}
+    config = write_config(args.config, overrides, tmp / "config.yaml")
     peers = ExitStack()
     peer_clients = start_peers(peers, args, config) if args.peer else {}
     proc, url, ready_s = start(config)
