@@ -186,9 +186,12 @@ class SpeculationConfig(_Strict):
     _mode_words = field_validator("mode", mode="before")(_yaml_switch)
     # Used by the fixed modes (draft, ngram, mtp).
     k: int = Field(4, ge=0, le=64, description="Draft length in the fixed modes (0 = off)")
-    # 16: a pass over 17 tokens costs ~9x one pass on a 2-core CPU; longer drafts only pay with
-    # near-perfect copying. GPUs, with flat verify cost, can raise it.
-    k_max: int = Field(16, ge=1, le=64, description="Largest k the controller may choose, and the longest grammar jump-forward")
+    # 48: on a 2-core CPU a pass over 49 tokens costs ~20x one pass and over 17 ~9x, so a copy kept
+    # whole (an edit, the same question again) gains most from the longest drafts; the controller's
+    # costs and earned lengths keep everything else short. Bench, 2-core EPYC, two runs each:
+    # auto 1.32-1.47x / 1.48-1.85x / 1.04-1.05x its plain decoding on code / edit / chat, against
+    # 1.19-1.24x / 1.36-1.45x / 0.99-1.00x with 16. Warm-up times 4 more pass sizes (~5 s).
+    k_max: int = Field(48, ge=1, le=64, description="Largest k the controller may choose, and the longest grammar jump-forward")
     ngram: NgramConfig = NgramConfig()
     controller: ControllerConfig = ControllerConfig()
 

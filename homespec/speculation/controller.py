@@ -230,10 +230,11 @@ class Controller:
         (see Proposer.measure_cost). Returns the samples: {"target" | proposer: {n: seconds}}.
 
         Sizes default to a spread over 1..k_max + 1 (interpolated between), which keeps warm-up
-        to a few seconds on a CPU."""
+        to a few seconds on a CPU; past 12 rows, every doubling or so (a CPU's curve bends there,
+        as a kernel's tiles fill, and a straight line from 12 to 65 rows would misprice 17-33)."""
         n_max = self.k_max + 1
         if sizes is None:
-            sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, n_max} & set(range(1, n_max + 1)))
+            sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49, n_max} & set(range(1, n_max + 1)))
         samples = {n: float(np.median([time_pass(n) for _ in range(passes)])) for n in sizes}
         self.cost.set_verify(samples)
         self.shared.set_verify(samples)  # until passes of several requests are timed
@@ -421,7 +422,17 @@ class Controller:
         as long is earned, as by an accepted run. The output wrote them itself, so they speak for
         this request as the pooled acceptance cannot. Where one pass of a few rows costs nearly as
         many single passes (a 2-core EPYC: 3 rows ~2.7x), no draft short enough to go unearned
-        can pay, so nothing is drafted and nothing earned; an edit earns its drafts this way."""
+        can pay, so nothing is drafted and nothing earned; an edit earns its drafts this way.
+
+        An earlier answer that the same text led into (the same question, `Evidence.repeat`)
+        earns every length at once, from the answer's first token: greedy, it is the answer the
+        target is about to give, and on a steep cost curve only long drafts pay (a 2-core EPYC:
+        49 rows cost ~20 single passes, 17 rows ~9), so earning them step by step would give
+        away most of what the memory saves. A question that only ends as an earlier one did
+        ("turn on ..." after "turn off ...": a few tokens of lead-in) earns nothing this way;
+        acceptance, learned apart for sampled requests, still decides k."""
+        if evidence.repeat:
+            return self.k_max
         copying = evidence.from_prompt or evidence.from_memory  # an earlier answer, said again, is copied as well
         return min(evidence.match, len(context) - self.req.prompt_len) if copying else 0
 

@@ -263,14 +263,29 @@ def test_an_output_copying_its_prompt_earns_drafts_as_long_as_the_copy_where_no_
 
 
 def test_an_answer_repeating_an_earlier_answer_earns_drafts_as_a_copy_of_the_prompt_does():
-    again = Match([1] * 16, 32, from_memory=True)  # the same question asked before: its answer, remembered
+    again = Match([1] * 16, 12, from_memory=True)  # 12 tokens lead into an earlier answer: a phrase it shares
     m = Machine(epyc_cost, {})
     c = m.controller(proposers=("ngram",))
     prompt = [0] * 100
     c.begin(prompt)
     c.proposers["ngram"].peek = lambda ctx, k: again
-    assert c.decide(prompt + [1] * 3).name == OFF  # 3 tokens said again: too few to trust
-    assert c.decide(prompt + [1] * 40).k == 16
+    for _ in range(10):  # such drafts have been kept in full before (pooled over requests)
+        c.acc.observe(c._key("ngram", c.proposers["ngram"].evidence(again)), [True] * K_MAX)
+    assert c.decide(prompt + [1] * 3).k <= 3  # 3 tokens said again: no longer drafts earned
+    assert c.decide(prompt + [1] * 40).k == 8  # the 12-token match (bucket 8) earns its length
+
+
+def test_the_same_question_again_drafts_its_remembered_answer_in_full_from_the_first_token():
+    same = Match([1] * 16, 32, from_memory=True)  # the whole compared lead-in led into an earlier answer
+    short = Match([1] * 16, 7, from_memory=True)  # "turn on ..." after "turn off ...": only the end matches
+    m = Machine(epyc_cost, {})
+    c = m.controller(proposers=("ngram",))
+    prompt = [0] * 100
+    c.begin(prompt)
+    c.proposers["ngram"].peek = lambda ctx, k: short
+    assert c.decide(prompt).name == OFF  # nothing of the answer said yet: no draft earned
+    c.proposers["ngram"].peek = lambda ctx, k: same
+    assert c.decide(prompt).k == 16  # before the answer's first token, all of it
 
 
 def test_sampled_and_greedy_requests_learn_acceptance_separately():
@@ -424,3 +439,11 @@ def test_a_pass_that_also_read_prompts_teaches_no_cost() -> None:
     before = [c.cost.verify(n) for n in range(1, 8)]
     c.observe(StepStats("ngram", 2, 2, 1, 0.001, 5.0, (True, False), ProposalInfo(), pass_rows=6, pass_s=5.0, timed=False))
     assert [c.cost.verify(n) for n in range(1, 8)] == before
+
+
+def test_calibration_times_long_passes_where_the_curve_bends_not_a_line_from_12_rows():
+    timed: list[int] = []
+    c = Controller([], ControllerConfig(), k_max=48)
+    c.calibrate(lambda n: timed.append(n) or epyc_cost(min(n, 17)) * n / min(n, 17), passes=1)
+    assert timed == [1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49]
+    assert c.cost.verify(33) == pytest.approx(epyc_cost(17) * 33 / 17)  # measured, not interpolated

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
-from homespec.speculation.proposers.ngram import MATCH_CAP, NgramProposer
+from homespec.speculation.proposers.ngram import MATCH_CAP, Match, NgramProposer
 from homespec.speculation.proposers.ngram_memory import TAIL, NgramMemory
 from homespec.speculation.sampling import SamplingParams
 
@@ -72,7 +72,9 @@ def test_the_proposer_prefers_the_memory_only_where_it_matches_further_back_than
     prop.begin(QUESTION)
     m = prop.match(QUESTION, 4)
     assert (m.tokens, m.length, m.from_memory, m.from_prompt) == (ANSWER[:4], MATCH_CAP, True, False)
-    assert prop.propose(QUESTION, 4, SamplingParams(), np.random.default_rng(0)).info.evidence.from_memory
+    evidence = prop.propose(QUESTION, 4, SamplingParams(), np.random.default_rng(0)).info.evidence
+    assert evidence.from_memory and evidence.repeat  # all MATCH_CAP tokens led into it: the same question
+    assert not prop.evidence(Match(ANSWER[:4], MATCH_CAP - 1, from_memory=True)).repeat
     # A prompt that quotes a passage twice copies it further back than a phrase an earlier
     # answer shares with it: the request's own text wins.
     mem.add([70, 71, 12, 1, 2, 3, 99], 2)

@@ -31,6 +31,9 @@ class Evidence:
     match: int = 0  # evidence strength: ngram's match-length bucket; 0 = not applicable
     from_prompt: bool = False  # the proposal copies the prompt rather than repeating the answer
     from_memory: bool = False  # the proposal copies an earlier request's answer
+    # ... and all the text the proposer compares back (ngram: MATCH_CAP tokens) led into that answer
+    # too: the same question again. A greedy answer to it is the same text up to a near-tie.
+    repeat: bool = False
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,8 @@ class NgramProposer:
     def evidence(self, m: Match) -> Evidence:
         """Acceptance is learned per match: its length bucket (a match shorter than n_min
         counts as n_min) and what it copies (the prompt, the answer, an earlier answer)."""
-        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt, m.from_memory)
+        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt, m.from_memory,
+                        repeat=m.from_memory and m.length >= MATCH_CAP)
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
         m = self.match(context, k)
