@@ -439,8 +439,9 @@ class Controller:
     def _unearned_k(self) -> int:
         """The longest draft whose verification costs at most UNEARNED_PASSES single passes."""
         passes, b = self._passes(), self.req.alongside
-        limit = UNEARNED_PASSES * passes.added(1, b)
-        return max([1, *(k for k in range(1, self.k_max + 1) if passes.added(k + 1, b) <= limit)])
+        ks = np.arange(1, self.k_max + 1)
+        cheap = ks[passes.added(ks + 1, b) <= UNEARNED_PASSES * passes.added(1, b)]
+        return int(cheap.max()) if cheap.size else 1
 
     def _passes(self) -> CostModel:
         """The cost curve of the pass being decided: one request's, or several requests' (once
@@ -450,16 +451,23 @@ class Controller:
     def _plain(self) -> Candidate:
         return self._candidate(OFF, 0, np.ones(1))
 
+    def _seconds(self, p: str, k: int | np.ndarray, switch_s: float = 0.0) -> float | np.ndarray:
+        """Expected seconds of a step drafting k tokens with p (k: an int, or an array of draft
+        lengths priced at once); beside other requests, what it adds to their pass."""
+        return self._passes().added(k + 1, self.req.alongside) + self.cost.propose(p, k) + switch_s
+
     def _candidate(self, p: str, k: int, emitted: np.ndarray, switch_s: float = 0.0) -> Candidate:
         """emitted: [k_max + 1] expected tokens of a step drafting 0..k_max."""
-        propose = self.cost.propose(p, k) if k else 0.0
-        return Candidate(p, k, float(emitted[k]), self._passes().added(k + 1, self.req.alongside) + propose + switch_s)
+        return Candidate(p, k, float(emitted[k]), float(self._seconds(p, k, switch_s)))
 
     def _best(
         self, p: str, k_avail: int, key: AcceptanceKey, rates: np.ndarray | None = None, switch_s: float = 0.0
     ) -> Candidate:
         emitted = expected_emitted(self.acc.rates(key) if rates is None else rates)  # [k_max + 1]
-        return max((self._candidate(p, k, emitted, switch_s) for k in range(1, k_avail + 1)), key=lambda c: c.rate)
+        # Every length priced at once: this runs each step for each proposer, over up to k_max.
+        ks = np.arange(1, k_avail + 1)
+        rate = emitted[ks] / self._seconds(p, ks, switch_s)  # [k_avail] tokens/s
+        return self._candidate(p, int(ks[np.argmax(rate)]), emitted, switch_s)
 
     def _probe(self, best: Candidate, options: Mapping[str, Option]) -> Candidate | None:
         """One step with a proposer untried for explore_every steps, if (1) it could pay at all —
@@ -508,10 +516,11 @@ class Controller:
         v.proposer, v.k, v.reason = best.proposer, best.k, reason
         v.baseline_tps = 1.0 / self.cost.verify(1)  # plain decoding alone, whatever runs beside
         gains: dict[str, list[float]] = {}
+        ks = np.arange(1, self.k_max + 1)
         for p in self.proposers:
             key = options[p].key if p in options else self._key(p, self._shown.get(p, Evidence()))
-            emitted = self.acc.expected_emitted(key)
-            gains[p] = [round(self._candidate(p, k, emitted).rate / plain.rate, 3) for k in range(1, self.k_max + 1)]
+            rate = self.acc.expected_emitted(key)[ks] / self._seconds(p, ks)  # [k_max] tokens/s
+            gains[p] = np.round(rate / plain.rate, 3).tolist()
         v.gains = gains
 
 

@@ -55,13 +55,13 @@ class CostModel:
     def calibrated(self) -> bool:
         return not np.isnan(self.shape[1])
 
-    def verify(self, n: int) -> float:
-        """Seconds for a pass over n rows; past n_max (several requests' rows in one pass),
-        extended by the mean cost of a row (row_s): a CPU pass grows ~linearly there."""
-        n = max(n, 1)
-        if n <= self.n_max:
-            return float(self.shape[n] * self.speed)
-        return float(self.shape[self.n_max] * self.speed + (n - self.n_max) * self.row_s())
+    def verify(self, n: int | np.ndarray) -> float | np.ndarray:
+        """Seconds for a pass over n rows (n: an int, or an array of sizes priced at once); past
+        n_max (several requests' rows in one pass), extended by the mean cost of a row (row_s):
+        a CPU pass grows ~linearly there."""
+        n = np.maximum(n, 1)
+        seconds = self.shape[np.minimum(n, self.n_max)] * self.speed + np.maximum(n - self.n_max, 0) * self.row_s()
+        return float(seconds) if seconds.ndim == 0 else seconds
 
     def row_s(self) -> float:
         """Seconds one more row adds to a pass, on average over the measured sizes (at least 5 %
@@ -69,19 +69,21 @@ class CostModel:
         mean = (self.shape[self.n_max] - self.shape[1]) / (self.n_max - 1) if self.n_max > 1 else self.shape[1]
         return float(max(mean, 0.05 * self.shape[1]) * self.speed)
 
-    def added(self, n: int, alongside: int) -> float:
+    def added(self, n: int | np.ndarray, alongside: int) -> float | np.ndarray:
         """Seconds that n rows of one request add to a pass that already holds `alongside` rows
         of others (a pass of their own when there are none): its first row's cost, then what
         the other n - 1 add to a pass holding it. Each part is kept at half an average row at
         least (noise, a flat GPU curve, or a tiled kernel whose 4th row costs less than its 3rd):
         rows are never free, but n of them may cost no more than one. Splitting it so keeps the
         price of a draft off the size without it, t(alongside), which beside others is the size
-        the pass rarely has (requests decode together), so its estimate is the noisiest."""
+        the pass rarely has (requests decode together), so its estimate is the noisiest. n may
+        be an array of sizes, priced at once."""
         if alongside <= 0:
             return self.verify(n)
         floor = 0.5 * self.row_s()
         first = max(self.verify(alongside + 1) - self.verify(alongside), floor)
-        return max(first + self.verify(alongside + n) - self.verify(alongside + 1), floor)
+        seconds = np.maximum(first + self.verify(alongside + n) - self.verify(alongside + 1), floor)
+        return float(seconds) if seconds.ndim == 0 else seconds
 
     def observe_verify(self, n: int, seconds: float) -> None:
         if not (1 <= n <= self.n_max) or seconds <= 0:
@@ -93,7 +95,7 @@ class CostModel:
         if n > 1:  # shape[1] anchors the pace: otherwise shape and speed could trade the same drift
             self.shape[n] += self.alpha * (seconds / self.speed - self.shape[n])
 
-    def propose(self, proposer: str, k: int) -> float:
+    def propose(self, proposer: str, k: int | np.ndarray) -> float | np.ndarray:
         return self.propose_s.get(proposer, 0.0) * k * self.speed
 
     def observe_propose(self, proposer: str, k: int, seconds: float) -> None:
@@ -135,6 +137,9 @@ class AcceptanceModel:
         self.prior = prior if callable(prior) else (lambda key: prior)
         self._mean: dict[Key, np.ndarray] = {}  # key -> [k_max] observed acceptance
         self._n: dict[Key, np.ndarray] = {}  # key -> [k_max] observations
+        # key -> [k_max] rates(key) until its next observation: the controller reads them several
+        # times a step (choice, probe, view), and the shrinkage is a loop over k_max positions.
+        self._rates: dict[Key, np.ndarray] = {}
 
     def _arrays(self, key: Key) -> tuple[np.ndarray, np.ndarray]:
         if key not in self._mean:
@@ -147,19 +152,25 @@ class AcceptanceModel:
 
     def observe(self, key: Key, outcomes: Sequence[bool], alpha: float | None = None) -> None:
         mean, n = self._arrays(key)
+        self._rates.pop(key, None)
         for i, ok in enumerate(outcomes[: self.k_max]):
             w = max(alpha or self.alpha, 1.0 / (n[i] + 1))
             mean[i] += w * (float(ok) - mean[i])
             n[i] += 1
 
     def rates(self, key: Key) -> np.ndarray:
-        """[k_max] the shrunk conditional acceptance used for decisions."""
+        """[k_max] the shrunk conditional acceptance used for decisions (read-only)."""
+        out = self._rates.get(key)
+        if out is not None:
+            return out
         mean, n = self._arrays(key)
         weight = np.minimum(n, 1.0 / self.alpha)  # an EWMA remembers ~1/alpha observations
         out = np.empty(self.k_max)
         prev = self.prior(key)
         for i in range(self.k_max):
             prev = out[i] = (weight[i] * mean[i] + self.SHRINK * prev) / (weight[i] + self.SHRINK)
+        out.flags.writeable = False
+        self._rates[key] = out
         return out
 
     def expected_emitted(self, key: Key) -> np.ndarray:

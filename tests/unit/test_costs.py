@@ -1,10 +1,12 @@
-"""costs.ceiling: the most speculation can give on a measured cost curve (pure arithmetic)."""
+"""costs: the most speculation can give on a measured cost curve, and pricing and acceptance
+as the controller reads them (pure arithmetic)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from homespec.speculation.costs import ceiling
+from homespec.speculation.costs import AcceptanceModel, CostModel, ceiling
 
 
 def test_on_a_flat_gpu_like_curve_the_ceiling_is_the_longest_draft_accepted_whole():
@@ -25,3 +27,28 @@ def test_a_proposers_cost_per_token_lowers_the_ceiling_and_can_switch_speculatio
     k, drafted = ceiling(curve, propose_s=0.010)  # a head at ~1/8 of a pass
     assert k == 16 and drafted == pytest.approx(17 * 0.081 / (0.881 + 16 * 0.010)) and drafted < free
     assert ceiling(curve, propose_s=0.042) == (0, 1.0)
+
+
+def test_pricing_many_pass_sizes_at_once_gives_each_sizes_own_price():
+    # The controller prices every draft length in one array call; beside other requests' rows,
+    # and past the measured sizes (the linear extension), each must equal its one-size price.
+    cost = CostModel(n_max=17, alpha=0.1)
+    cost.set_verify({1: 0.040, 2: 0.066, 5: 0.156, 9: 0.270, 17: 0.346})  # seconds
+    cost.observe_verify(5, 0.170)  # the pace has moved since calibration
+    sizes = np.arange(1, 30)
+    for alongside in (0, 3, 14):
+        at_once = cost.added(sizes, alongside)  # [29] seconds
+        assert at_once.shape == sizes.shape
+        assert at_once.tolist() == pytest.approx([cost.added(int(n), alongside) for n in sizes], rel=1e-12)
+    assert isinstance(cost.verify(3), float) and isinstance(cost.added(3, 2), float)
+
+
+def test_acceptance_rates_follow_each_new_observation_of_their_key():
+    acc = AcceptanceModel(k_max=4, alpha=0.1, prior=0.5)
+    before = acc.rates("ngram").copy()
+    assert not acc.rates("ngram").flags.writeable  # shared between reads: no caller may edit it
+    acc.observe("ngram", [True, True, True, True])
+    after = acc.rates("ngram")
+    assert (after > before).all()
+    acc.observe("draft", [False])  # another key's outcomes leave this one's rates alone
+    assert acc.rates("ngram") is after
