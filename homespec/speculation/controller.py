@@ -456,6 +456,11 @@ class Controller:
         lengths priced at once); beside other requests, what it adds to their pass."""
         return self._passes().added(k + 1, self.req.alongside) + self.cost.propose(p, k) + switch_s
 
+    def _rate(self, p: str, emitted: np.ndarray, ks: np.ndarray, switch_s: float = 0.0) -> np.ndarray:
+        """[len(ks)] expected tokens/s of steps drafting each of ks with p, priced at once (this
+        runs each step for each proposer, over up to k_max lengths)."""
+        return emitted[ks] / self._seconds(p, ks, switch_s)
+
     def _candidate(self, p: str, k: int, emitted: np.ndarray, switch_s: float = 0.0) -> Candidate:
         """emitted: [k_max + 1] expected tokens of a step drafting 0..k_max."""
         return Candidate(p, k, float(emitted[k]), float(self._seconds(p, k, switch_s)))
@@ -464,10 +469,8 @@ class Controller:
         self, p: str, k_avail: int, key: AcceptanceKey, rates: np.ndarray | None = None, switch_s: float = 0.0
     ) -> Candidate:
         emitted = expected_emitted(self.acc.rates(key) if rates is None else rates)  # [k_max + 1]
-        # Every length priced at once: this runs each step for each proposer, over up to k_max.
         ks = np.arange(1, k_avail + 1)
-        rate = emitted[ks] / self._seconds(p, ks, switch_s)  # [k_avail] tokens/s
-        return self._candidate(p, int(ks[np.argmax(rate)]), emitted, switch_s)
+        return self._candidate(p, int(ks[np.argmax(self._rate(p, emitted, ks, switch_s))]), emitted, switch_s)
 
     def _probe(self, best: Candidate, options: Mapping[str, Option]) -> Candidate | None:
         """One step with a proposer untried for explore_every steps, if (1) it could pay at all —
@@ -519,8 +522,7 @@ class Controller:
         ks = np.arange(1, self.k_max + 1)
         for p in self.proposers:
             key = options[p].key if p in options else self._key(p, self._shown.get(p, Evidence()))
-            rate = self.acc.expected_emitted(key)[ks] / self._seconds(p, ks)  # [k_max] tokens/s
-            gains[p] = np.round(rate / plain.rate, 3).tolist()
+            gains[p] = np.round(self._rate(p, self.acc.expected_emitted(key), ks) / plain.rate, 3).tolist()
         v.gains = gains
 
 
