@@ -145,6 +145,9 @@ class RuntimeConfig(_Strict):
         return False if n_gpu_layers == 0 else None
 
 
+MIN_MEMORY_TOKENS = 1024  # a few answers of a few hundred tokens each
+
+
 class NgramConfig(_Strict):
     # Matches shorter than 2 tokens are mostly noise (common tokens like "\n" or " the").
     n_min: int = Field(2, ge=1, le=16, description="Shortest suffix n-gram to look up")
@@ -153,8 +156,16 @@ class NgramConfig(_Strict):
     n_max: int = Field(12, ge=1, le=32, description="Longest suffix n-gram to look up")
     # Earlier answers, drafted from when a request asks the same again (ngram_memory.py). 32768
     # tokens hold ~100 answers of a few hundred tokens in ~8 MB; 0 keeps every request to its
-    # own text (a request's speed then says nothing about what others were told).
-    memory_tokens: int = Field(32768, ge=0, le=1 << 22, description="Tokens of earlier answers prompt lookup may draft from (0 = off)")
+    # own text (a request's speed then says nothing about what others were told). Below
+    # MIN_MEMORY_TOKENS one long answer would evict all the others.
+    memory_tokens: int = Field(32768, ge=0, le=1 << 22, strict=True, description="Tokens of earlier answers prompt lookup may draft from (0 = off)")
+
+    @field_validator("memory_tokens")
+    @classmethod
+    def _memory_size(cls, v: int) -> int:
+        if 0 < v < MIN_MEMORY_TOKENS:
+            raise ValueError(f"must be 0 (off) or at least {MIN_MEMORY_TOKENS} tokens")
+        return v
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramConfig:
@@ -188,9 +199,10 @@ class SpeculationConfig(_Strict):
     k: int = Field(4, ge=0, le=64, description="Draft length in the fixed modes (0 = off)")
     # 48: on a 2-core CPU a pass over 49 tokens costs ~20x one pass and over 17 ~9x, so a copy kept
     # whole (an edit, the same question again) gains most from the longest drafts; the controller's
-    # costs and earned lengths keep everything else short. Bench, 2-core EPYC, two runs each:
-    # auto 1.32-1.47x / 1.48-1.85x / 1.04-1.05x its plain decoding on code / edit / chat, against
-    # 1.19-1.24x / 1.36-1.45x / 0.99-1.00x with 16. Warm-up times 4 more pass sizes (~5 s).
+    # costs and earned lengths keep everything else short. Bench (--rounds 2: each prompt asked
+    # twice, so half the code answers are repeats), 2-core EPYC, two runs each: auto 1.32-1.47x /
+    # 1.48-1.85x / 1.04-1.05x its plain decoding on code / edit / chat, against 1.19-1.24x /
+    # 1.36-1.45x / 0.99-1.00x with 16. Warm-up times 4 more pass sizes (~5 s).
     k_max: int = Field(48, ge=1, le=64, description="Largest k the controller may choose, and the longest grammar jump-forward")
     ngram: NgramConfig = NgramConfig()
     controller: ControllerConfig = ControllerConfig()

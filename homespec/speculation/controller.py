@@ -96,6 +96,7 @@ class AcceptanceKey(NamedTuple):
     match: int = 0  # the proposal's evidence strength (prompt lookup: its match-length bucket); 0 = none
     from_prompt: bool = False  # the proposal copies the prompt rather than the answer
     from_memory: bool = False  # the proposal copies an earlier request's answer
+    repeat: bool = False  # ... the answer to the same prompt (kept in full far more often than a shared phrase)
     sampled: bool = False  # a temperature > 0 request
 
 
@@ -370,7 +371,7 @@ class Controller:
         match is often a coincidence, and a long repeat of the answer's own words breaks off
         sooner than a copy). Sampled requests are tracked apart: a token drawn at temperature 0.8
         is accepted less often than an argmax, and mixing the two would mislead both."""
-        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, evidence.from_memory, self.req.sampled)
+        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, evidence.from_memory, evidence.repeat, self.req.sampled)
 
     def _prior(self, key: AcceptanceKey) -> float:
         """Acceptance assumed before any observation. With evidence of strength m (prompt lookup:
@@ -424,14 +425,15 @@ class Controller:
         many single passes (a 2-core EPYC: 3 rows ~2.7x), no draft short enough to go unearned
         can pay, so nothing is drafted and nothing earned; an edit earns its drafts this way.
 
-        An earlier answer that the same text led into (the same question, `Evidence.repeat`)
-        earns every length at once, from the answer's first token: greedy, it is the answer the
-        target is about to give, and on a steep cost curve only long drafts pay (a 2-core EPYC:
-        49 rows cost ~20 single passes, 17 rows ~9), so earning them step by step would give
-        away most of what the memory saves. A question that only ends as an earlier one did
-        ("turn on ..." after "turn off ...": a few tokens of lead-in) earns nothing this way;
-        acceptance, learned apart for sampled requests, still decides k."""
-        if evidence.repeat:
+        The earlier answer to this same prompt (`Evidence.repeat`) earns every length at once,
+        from the answer's first token, for a greedy request: it is the answer the target is about
+        to give, and on a steep cost curve only long drafts pay (a 2-core EPYC: 49 rows cost ~20
+        single passes, 17 rows ~9), so earning them step by step would give away most of what
+        the memory saves. A prompt that only ends as an earlier one did (an editor's completion
+        at the same cursor in a changed file, a shared system prompt, "turn on ..." after "turn
+        off ...") earns its drafts as a copy does; a sampled request's draws leave the greedy
+        answer soon, so it earns them so too. Acceptance, learned per key, still decides k."""
+        if evidence.repeat and not self.req.sampled:
             return self.k_max
         copying = evidence.from_prompt or evidence.from_memory  # an earlier answer, said again, is copied as well
         return min(evidence.match, len(context) - self.req.prompt_len) if copying else 0

@@ -114,7 +114,9 @@ class SpeculationPolicy(Protocol):
 
     def end(self, context: Sequence[int]) -> None:
         """The generation ended with `context` (prompt + answer), having begun (it answered more
-        than its first token): the proposers keep what helps later ones (Proposer.end)."""
+        than its first token), and its answer is the target's own greedy text (no grammar, bias
+        or penalty shaped it: what a later request with the same prompt will be told again): the
+        proposers keep what helps later ones (Proposer.end)."""
         ...
 
 
@@ -352,8 +354,8 @@ class Engine:
             if event.finish_reason is not None:
                 out.finish(event)
                 st.total_s = time.perf_counter() - t_start
-                if not prompt:  # the proposers were begun (after the first token)
-                    policy.end(ctx)
+                if not prompt and params.greedy and not params.shifts_logits and grammar is None:
+                    policy.end(ctx)  # begun (after the first token), and worth drafting again
                 yield event
                 return
             alongside = (yield event) or 0

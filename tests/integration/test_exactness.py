@@ -98,7 +98,7 @@ def test_the_same_question_again_drafts_its_remembered_answer_and_says_the_same(
     first answer is the draft. It is verified as any draft is, so the text is the target's argmax
     and equals the first answer up to a near-tie (batch noise, as above); what was the same is
     drafted nearly whole."""
-    from homespec.speculation.proposers.ngram_memory import NgramMemory
+    from homespec.speculation.proposers.ngram_memory import NgramMemory, question_key
 
     rec = Recording(target_rt)
     engine = Engine(rec)
@@ -106,7 +106,7 @@ def test_the_same_question_again_drafts_its_remembered_answer_and_says_the_same(
     first, _ = generate(engine, prompt, FixedPolicy())
     margins = {pos: margin(row) for pos, row in rec.rows}
     memory = NgramMemory(8192)
-    memory.add(prompt + first, len(prompt))  # as the engine's end of a generation does
+    memory.add(prompt + first, len(prompt), question_key(prompt))  # as the engine's end of a greedy generation does
     rec.rows.clear()
     again, st = generate(engine, prompt, FixedPolicy(NgramProposer(2, 12, memory), 8))
     verified = dict(rec.rows)

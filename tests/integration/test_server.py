@@ -238,6 +238,23 @@ def test_speculation_override_changes_the_mode_not_the_greedy_text(served: Serve
         assert any(key.startswith(f"{mode}:") for key in ext["proposers"]), ext["proposers"]
 
 
+MONTHS = "List the months of the year, one per line."  # asked by the memory test only
+
+
+def test_the_same_question_again_drafts_the_remembered_answer_and_says_the_same(served: Served) -> None:
+    # Prompt lookup keeps greedy answers across requests (ngram_memory.py): the second time the
+    # whole first answer is the draft, so nearly every drafted token is kept and the answer takes
+    # fewer target passes. Forced ngram: what is drafted, not what auto judges worth it on this CPU.
+    kw = dict(model=served.model, messages=[{"role": "user", "content": MONTHS}], max_tokens=40,
+              extra_body={"homespec": {"speculation": "ngram", "k": 8}})
+    first = oai(served).chat.completions.create(**kw)
+    again = oai(served).chat.completions.create(**kw)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    f, a = first.model_extra["homespec"], again.model_extra["homespec"]
+    assert a["accepted"] >= again.usage.completion_tokens - 2 * 9  # all but the first token and one step's worth
+    assert a["steps"] < f["steps"], (f, a)
+
+
 # -- bad input: the right 4xx with an OpenAI error object, then a normal answer -------------------
 
 _LONG_PROMPT = "hello " * (N_CTX + 100)  # ~1,100 tokens: more than the context holds

@@ -55,3 +55,19 @@ def test_a_bad_sse_ping_interval_is_refused_naming_the_field(tmp_path, value):
     path.write_text(f"server:\n  sse_ping_s: {value}\n")
     with pytest.raises(ConfigError, match=r"server\.sse_ping_s"):
         load_config(path)
+
+
+@pytest.mark.parametrize("value", ["1", "100", "true", "'4096'", "-1"])
+def test_an_answer_memory_too_small_to_hold_answers_or_not_a_number_is_refused_naming_the_field(tmp_path, value):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"speculation:\n  ngram:\n    memory_tokens: {value}\n")
+    with pytest.raises(ConfigError, match=r"speculation\.ngram\.memory_tokens") as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", [0, 1024, 65536])
+def test_an_answer_memory_of_0_off_or_of_a_thousand_tokens_and_more_is_accepted(tmp_path, value):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"speculation:\n  ngram:\n    memory_tokens: {value}\n")
+    assert load_config(path).speculation.ngram.memory_tokens == value

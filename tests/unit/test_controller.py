@@ -276,16 +276,35 @@ def test_an_answer_repeating_an_earlier_answer_earns_drafts_as_a_copy_of_the_pro
 
 
 def test_the_same_question_again_drafts_its_remembered_answer_in_full_from_the_first_token():
-    same = Match([1] * 16, 32, from_memory=True)  # the whole compared lead-in led into an earlier answer
+    same = Match([1] * 16, 32, from_memory=True, repeat=True)  # the answer to this very prompt
     short = Match([1] * 16, 7, from_memory=True)  # "turn on ..." after "turn off ...": only the end matches
+    alike = Match([1] * 16, 32, from_memory=True)  # a different prompt that ends as that one did (32 tokens)
     m = Machine(epyc_cost, {})
     c = m.controller(proposers=("ngram",))
     prompt = [0] * 100
     c.begin(prompt)
-    c.proposers["ngram"].peek = lambda ctx, k: short
-    assert c.decide(prompt).name == OFF  # nothing of the answer said yet: no draft earned
+    for match in (short, alike):
+        c.proposers["ngram"].peek = lambda ctx, k, match=match: match
+        assert c.decide(prompt).name == OFF  # nothing of the answer said yet: no draft earned
     c.proposers["ngram"].peek = lambda ctx, k: same
     assert c.decide(prompt).k == 16  # before the answer's first token, all of it
+    c.begin(prompt, sampled=True)
+    assert c.decide(prompt).name == OFF  # a draw leaves the greedy answer: earned as a copy, step by step
+
+
+def test_the_same_question_is_learned_apart_from_prompts_that_only_end_alike():
+    # Completions at one cursor in a changed file end alike and are answered otherwise: their
+    # failures must not teach the controller to stop drafting the same question's answer.
+    same = Match([1] * 16, 32, from_memory=True, repeat=True)
+    alike = Match([1] * 16, 32, from_memory=True)
+    m = Machine(epyc_cost, {})
+    c = m.controller(proposers=("ngram",))
+    prompt = [0] * 100
+    c.begin(prompt)
+    for _ in range(30):
+        c.acc.observe(c._key("ngram", c.proposers["ngram"].evidence(alike)), [False] * K_MAX)
+    c.proposers["ngram"].peek = lambda ctx, k: same
+    assert c.decide(prompt).k == 16
 
 
 def test_sampled_and_greedy_requests_learn_acceptance_separately():

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import llguidance
 import numpy as np
 
+from homespec.config import ControllerConfig
+from homespec.speculation.controller import Controller
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
-from homespec.speculation.proposers.ngram import MATCH_CAP, Match, NgramProposer
-from homespec.speculation.proposers.ngram_memory import TAIL, NgramMemory
+from homespec.speculation.proposers.ngram import MATCH_CAP, NgramProposer
+from homespec.speculation.proposers.ngram_memory import TAIL, NgramMemory, Recall, question_key
 from homespec.speculation.sampling import SamplingParams
 
 from .fakes import FakeRuntime
+from .test_constraints import RUN, grammar_for
 
 QUESTION = list(range(100, 160))  # [60] a prompt
 ANSWER = [7, 3, 9, 4, 8, 2, 6, 5, 1, 30, 31, 32]  # [12]
@@ -18,16 +22,16 @@ ANSWER = [7, 3, 9, 4, 8, 2, 6, 5, 1, 30, 31, 32]  # [12]
 def test_a_repeated_question_gets_the_earlier_answer_as_a_draft_matched_to_the_cap():
     mem = NgramMemory(1000)
     mem.add(QUESTION + ANSWER, len(QUESTION))
-    assert mem.lookup(QUESTION, 5, MATCH_CAP) == (ANSWER[:5], MATCH_CAP)
+    assert mem.lookup(QUESTION, 5, MATCH_CAP) == Recall(ANSWER[:5], MATCH_CAP)
     # halfway through the answer it continues from there
-    assert mem.lookup(QUESTION + ANSWER[:6], 16, MATCH_CAP) == (ANSWER[6:], MATCH_CAP)
+    assert mem.lookup(QUESTION + ANSWER[:6], 16, MATCH_CAP) == Recall(ANSWER[6:], MATCH_CAP)
 
 
 def test_a_draft_stops_where_the_remembered_answer_ended_and_never_runs_into_the_next():
     mem = NgramMemory(1000)
     mem.add(QUESTION + ANSWER, len(QUESTION))
     mem.add([50, 51, 52, 53, 54] + [60, 61], 5)
-    tokens, _ = mem.lookup(QUESTION + ANSWER[:-2], 16, MATCH_CAP)
+    tokens = mem.lookup(QUESTION + ANSWER[:-2], 16, MATCH_CAP).tokens
     assert tokens == ANSWER[-2:]
 
 
@@ -38,15 +42,15 @@ def test_only_the_prompts_tail_is_kept_and_an_unanswered_generation_leaves_nothi
     long_prompt = list(range(1000, 1300))  # [300]
     mem.add(long_prompt + ANSWER, len(long_prompt))
     assert len(mem) == TAIL + len(ANSWER) + 1  # and a separator
-    assert mem.lookup(long_prompt, 3, MATCH_CAP) == (ANSWER[:3], MATCH_CAP)
+    assert mem.lookup(long_prompt, 3, MATCH_CAP) == Recall(ANSWER[:3], MATCH_CAP)
 
 
 def test_an_unrelated_context_finds_nothing_and_a_short_coincidence_reports_its_short_length():
     mem = NgramMemory(1000)
     mem.add(QUESTION + ANSWER, len(QUESTION))
-    assert mem.lookup(list(range(500, 540)), 4, MATCH_CAP) == ([], 0)
+    assert mem.lookup(list(range(500, 540)), 4, MATCH_CAP) == Recall([])
     other = list(range(900, 940)) + ANSWER[:4]  # another question whose answer opens the same 4 tokens
-    assert mem.lookup(other, 3, MATCH_CAP) == (ANSWER[4:7], 4)
+    assert mem.lookup(other, 3, MATCH_CAP) == Recall(ANSWER[4:7], 4)
 
 
 def test_past_its_capacity_the_oldest_answers_go_and_the_newest_stay():
@@ -55,14 +59,14 @@ def test_past_its_capacity_the_oldest_answers_go_and_the_newest_stay():
     for i, p in enumerate(prompts):
         mem.add(p + [i] * 40, len(p))  # [48 tail + 40 answer] + separator each
         assert len(mem) <= 400
-    assert mem.lookup(prompts[-1], 2, MATCH_CAP) == ([9, 9], MATCH_CAP)
-    assert mem.lookup(prompts[0], 2, MATCH_CAP) == ([], 0)
+    assert mem.lookup(prompts[-1], 2, MATCH_CAP) == Recall([9, 9], MATCH_CAP)
+    assert mem.lookup(prompts[0], 2, MATCH_CAP) == Recall([])
 
 
 def test_a_memory_of_no_capacity_remembers_nothing():
     mem = NgramMemory(0)
     mem.add(QUESTION + ANSWER, len(QUESTION))
-    assert len(mem) == 0 and mem.lookup(QUESTION, 4, MATCH_CAP) == ([], 0)
+    assert len(mem) == 0 and mem.lookup(QUESTION, 4, MATCH_CAP) == Recall([])
 
 
 def test_the_proposer_prefers_the_memory_only_where_it_matches_further_back_than_the_request_itself():
@@ -73,14 +77,13 @@ def test_the_proposer_prefers_the_memory_only_where_it_matches_further_back_than
     m = prop.match(QUESTION, 4)
     assert (m.tokens, m.length, m.from_memory, m.from_prompt) == (ANSWER[:4], MATCH_CAP, True, False)
     evidence = prop.propose(QUESTION, 4, SamplingParams(), np.random.default_rng(0)).info.evidence
-    assert evidence.from_memory and evidence.repeat  # all MATCH_CAP tokens led into it: the same question
-    assert not prop.evidence(Match(ANSWER[:4], MATCH_CAP - 1, from_memory=True)).repeat
+    assert evidence.from_memory and not evidence.repeat  # remembered without its question: not known to be the same
     # A prompt that quotes a passage twice copies it further back than a phrase an earlier
     # answer shares with it: the request's own text wins.
     mem.add([70, 71, 12, 1, 2, 3, 99], 2)
     quoting = [10, 11, 12, 1, 2, 3, 4, 5, 20, 10, 11, 12, 1, 2, 3]
     prop.begin(quoting)
-    assert mem.lookup(quoting, 2, MATCH_CAP) == ([99], 4)
+    assert mem.lookup(quoting, 2, MATCH_CAP) == Recall([99], 4)
     m = prop.match(quoting, 2)
     assert (m.tokens, m.length, m.from_prompt, m.from_memory) == ([4, 5], 6, True, False)
 
@@ -100,3 +103,93 @@ def test_a_finished_generation_is_remembered_and_the_same_request_again_drafts_i
     assert first == second == plain  # drafts never change what greedy decoding says
     assert st2.proposed == st2.accepted > 0  # every drafted token kept
     assert st2.steps < st1.steps
+
+
+def test_the_same_prompt_again_is_the_same_question_and_a_prompt_that_only_ends_alike_is_not():
+    # An editor's completion at the same cursor in a changed file: the prompt's last TAIL tokens
+    # are the same, its start is not, and so (most likely) is its answer.
+    changed = [1, 2, 3] + QUESTION[3:]
+    mem = NgramMemory(1000)
+    mem.add(QUESTION + ANSWER, len(QUESTION), question_key(QUESTION))
+    assert mem.lookup(QUESTION, 4, MATCH_CAP, question_key(QUESTION), 0) == Recall(ANSWER[:4], MATCH_CAP, True)
+    assert mem.lookup(QUESTION + ANSWER[:5], 4, MATCH_CAP, question_key(QUESTION), 5) == Recall(ANSWER[5:9], MATCH_CAP, True)
+    alike = mem.lookup(changed, 4, MATCH_CAP, question_key(changed), 0)
+    assert alike == Recall(ANSWER[:4], MATCH_CAP, False)  # the same 32-token lead-in, not the same question
+
+
+def test_the_same_question_finds_its_own_answer_though_a_later_prompt_ended_alike():
+    changed = [1, 2, 3] + QUESTION[3:]
+    mem = NgramMemory(1000)
+    mem.add(QUESTION + ANSWER, len(QUESTION), question_key(QUESTION))
+    mem.add(changed + [40, 41, 42], len(changed), question_key(changed))  # now the latest after that lead-in
+    assert mem.lookup(QUESTION, 4, MATCH_CAP) == Recall([40, 41, 42], MATCH_CAP)  # by the lead-in alone
+    assert mem.lookup(QUESTION, 4, MATCH_CAP, question_key(QUESTION), 0) == Recall(ANSWER[:4], MATCH_CAP, True)
+
+
+def test_an_answer_that_left_the_remembered_one_or_outran_it_is_no_longer_the_same_question():
+    mem = NgramMemory(1000)
+    q = question_key(QUESTION)
+    mem.add(QUESTION + ANSWER, len(QUESTION), q)
+    mem.add(list(range(300, 360)) + [77] * 20, 60, question_key(list(range(300, 360))))
+    left = QUESTION + ANSWER[:3] + [55]  # said something else at its 4th token
+    assert not mem.lookup(left, 4, MATCH_CAP, q, 4).same_question
+    outran = QUESTION + ANSWER + [77] * 12  # longer than the remembered answer: what follows is another entry's
+    assert not mem.lookup(outran, 4, MATCH_CAP, q, len(ANSWER) + 12).same_question
+    assert mem.lookup(QUESTION + ANSWER, 4, MATCH_CAP, q, len(ANSWER)) == Recall([])  # it ended there
+
+
+def test_a_memory_smaller_than_an_answer_keeps_its_end_within_its_capacity_and_forgets_its_question():
+    long_answer = list(range(2000, 2100))  # [100]
+    mem = NgramMemory(64)
+    mem.add(QUESTION + long_answer, len(QUESTION), question_key(QUESTION))
+    assert len(mem) == 64  # the answer's last 63 tokens and a separator
+    assert not mem.lookup(QUESTION, 4, MATCH_CAP, question_key(QUESTION), 0).tokens
+    tiny = NgramMemory(1)  # no room for a token beside the separator
+    tiny.add(QUESTION + ANSWER, len(QUESTION), question_key(QUESTION))
+    assert len(tiny) == 0
+
+
+def test_the_proposer_marks_only_its_own_prompts_remembered_answer_as_a_repeat():
+    mem = NgramMemory(1000)
+    first = NgramProposer(2, 12, mem)
+    first.begin(QUESTION)
+    first.end(QUESTION + ANSWER)  # the answer left with its prompt's key
+    again = NgramProposer(2, 12, mem)
+    again.begin(QUESTION)
+    m = again.match(QUESTION + ANSWER[:2], 4)
+    assert (m.tokens, m.from_memory, m.repeat) == (ANSWER[2:6], True, True)
+    assert again.evidence(m).repeat
+    changed = [1, 2, 3] + QUESTION[3:]
+    again.begin(changed)
+    m = again.match(changed + ANSWER[:2], 4)
+    assert (m.tokens, m.length, m.from_memory, m.repeat) == (ANSWER[2:6], MATCH_CAP, True, False)
+    assert not again.evidence(m).repeat
+
+
+def _generate(mem: NgramMemory, params: SamplingParams, grammar=None, policy=None) -> str:
+    rt = FakeRuntime(vocab=64, seed=3)
+    policy = policy or FixedPolicy(NgramProposer(2, 12, mem), 8)
+    events = Engine(rt).generate([5, 9, 2, 7, 3, 8, 11, 4], params, 30, (), policy, GenerationStats(), grammar)
+    return "".join(ev.text for ev in events)
+
+
+def test_only_an_answer_that_is_the_targets_own_greedy_text_is_remembered():
+    mem = NgramMemory(4096)
+    _generate(mem, SamplingParams(temperature=0.8, seed=1))
+    _generate(mem, SamplingParams(logit_bias=((3, 5.0),)))
+    _generate(mem, SamplingParams(repetition_penalty=1.3))
+    _generate(mem, SamplingParams(), grammar_for(FakeRuntime(vocab=64, seed=3), llguidance.LLMatcher.grammar_from_regex(RUN)))
+    assert len(mem) == 0  # a draw, a bias, a penalty or a grammar shaped them: another request would not be told that
+    _generate(mem, SamplingParams())
+    assert len(mem) > 0
+
+
+def test_an_auto_request_leaves_its_answer_to_the_memory_every_slot_shares():
+    mem = NgramMemory(4096)
+    controller = Controller([NgramProposer(2, 12, mem)], ControllerConfig(), k_max=8)
+    slot = {"ngram": NgramProposer(2, 12, mem)}  # another slot's instance, on the same memory
+    _generate(mem, SamplingParams(), policy=controller.policy(slot))
+    assert len(mem) > 0
+    prop = NgramProposer(2, 12, mem)
+    prop.begin([5, 9, 2, 7, 3, 8, 11, 4])
+    assert prop.match([5, 9, 2, 7, 3, 8, 11, 4], 4).repeat

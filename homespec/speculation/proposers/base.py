@@ -31,8 +31,8 @@ class Evidence:
     match: int = 0  # evidence strength: ngram's match-length bucket; 0 = not applicable
     from_prompt: bool = False  # the proposal copies the prompt rather than repeating the answer
     from_memory: bool = False  # the proposal copies an earlier request's answer
-    # ... and all the text the proposer compares back (ngram: MATCH_CAP tokens) led into that answer
-    # too: the same question again. A greedy answer to it is the same text up to a near-tie.
+    # ... the answer to this very prompt, and this answer has so far said what that one did: the
+    # same question again. A greedy answer to it is the same text up to a near-tie.
     repeat: bool = False
 
 
@@ -105,8 +105,9 @@ class Proposer(Protocol):
         ...
 
     def end(self, context: Sequence[int]) -> None:
-        """The generation it was begun for ended with `context` (prompt + answer): keep what
-        helps later requests (prompt lookup remembers the answer)."""
+        """The generation it was begun for ended with `context` (prompt + answer), a greedy
+        answer no grammar, bias or penalty shaped (SpeculationPolicy.end): keep what helps later
+        requests (prompt lookup remembers the answer)."""
         ...
 
     def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:

@@ -12,10 +12,11 @@ one (a new request) rebuilds it. Memory: n_max dict entries per context token.
 A match also says how much it can be trusted, for the controller: its full length (the suffix is
 compared further back than n_max, up to MATCH_CAP tokens) and whether it copies from the prompt,
 repeats the answer, or comes from an earlier request's answer (ngram_memory.py: looked up too,
-and taken where it matches further back than the request's own text does). Measured on greedy
-outputs of the bench's workloads (the 1.5B target, a 16-token continuation): edits copying the
-prompt kept 10-14 tokens whatever the match length, while prose repeating itself kept 2-8 even
-on matches of 16-31 tokens.
+and taken where it matches further back than the request's own text does, or where it is the
+answer to this very prompt, so far as this answer has said it: the same question again).
+Measured on greedy outputs of the bench's workloads (the 1.5B target, a 16-token continuation):
+edits copying the prompt kept 10-14 tokens whatever the match length, while prose repeating
+itself kept 2-8 even on matches of 16-31 tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from homespec.speculation.proposers.base import Evidence, Preview, Proposal, ProposalInfo, ProposerCost
-from homespec.speculation.proposers.ngram_memory import NgramMemory
+from homespec.speculation.proposers.ngram_memory import NgramMemory, question_key
 from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
@@ -40,7 +41,8 @@ class Match:
     length: int = 0  # tokens of the context's suffix that equal those before the continuation (<= MATCH_CAP)
     at: int = 0  # context position the continuation was copied from
     from_prompt: bool = False  # it copies the prompt (an edit), rather than repeating the answer
-    from_memory: bool = False  # it copies an earlier request's answer (the same question again)
+    from_memory: bool = False  # it copies an earlier request's answer
+    repeat: bool = False  # ... the answer to this same prompt, so far as this one (the same question again)
 
 
 NO_MATCH = Match([])
@@ -109,28 +111,33 @@ class NgramProposer:
         self.index = NgramIndex(n_min, n_max)
         self.prompt_len = 0  # tokens of the current request's prompt: a match before it copies the prompt
         self.memory = memory  # earlier requests' answers (shared by every slot); None: this request only
+        self.question: int | None = None  # question_key of the prompt, for the memory (None: no memory)
 
     def begin(self, prompt: Sequence[int]) -> None:
         self.index.sync(prompt)
+        self._prompt(prompt)
+
+    def _prompt(self, prompt: Sequence[int]) -> None:
         self.prompt_len = len(prompt)
+        self.question = question_key(prompt) if self.memory is not None else None
 
     def match(self, context: Sequence[int], k: int) -> Match:
         """The proposal and how it matched, without timing."""
         if self.index.sync(context):  # a new request that did not call begin(): its context is the prompt
-            self.prompt_len = len(context)
+            self._prompt(context)
         m = self.index.lookup(k)
         m = replace(m, from_prompt=m.at < self.prompt_len) if m.tokens else m
         if self.memory is not None:
-            tokens, length = self.memory.lookup(context, k, MATCH_CAP)
-            if length > m.length:  # a repeated question beats a phrase of its own that recurs
-                return Match(tokens, length, from_memory=True)
+            recall = self.memory.lookup(context, k, MATCH_CAP, self.question, len(context) - self.prompt_len)
+            # the same question's answer beats anything; a longer match beats a phrase of its own that recurs
+            if recall.tokens and (recall.same_question or recall.length > m.length):
+                return Match(recall.tokens, recall.length, from_memory=True, repeat=recall.same_question)
         return m
 
     def evidence(self, m: Match) -> Evidence:
         """Acceptance is learned per match: its length bucket (a match shorter than n_min
         counts as n_min) and what it copies (the prompt, the answer, an earlier answer)."""
-        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt, m.from_memory,
-                        repeat=m.from_memory and m.length >= MATCH_CAP)
+        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt, m.from_memory, m.repeat)
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
         m = self.match(context, k)
@@ -142,7 +149,7 @@ class NgramProposer:
     def end(self, context: Sequence[int]) -> None:
         """The answer is remembered for later requests (its prompt's tail included)."""
         if self.memory is not None:
-            self.memory.add(context, self.prompt_len)
+            self.memory.add(context, self.prompt_len, self.question)
 
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
@@ -156,4 +163,4 @@ class NgramProposer:
 
     def close(self) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
-        self.prompt_len = 0
+        self.prompt_len, self.question = 0, None

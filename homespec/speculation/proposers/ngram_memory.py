@@ -7,15 +7,19 @@ the answer is the same text, so the earlier answer is a near-perfect draft; llam
 so what the memory proposes never changes what the target says (a greedy answer stays its
 argmax; a sampled one keeps its distribution); it only changes how many passes it takes.
 
-Each finished generation leaves its answer here with the last TAIL tokens of its prompt (what
-leads into the answer: the end of the question and the chat template's turn marker). A lookup
-takes the context's last n tokens for n in KEY_NS, longest first, finds where they were last
-followed by something, and measures the match back as far as MATCH_CAP tokens, as the
-per-request index does: a repeated question matches 32 tokens back; a phrase that happens to
-recur, a few. Entries never run into each other (a separator no token equals lies between).
+Each finished greedy generation leaves its answer here with the last TAIL tokens of its prompt
+(what leads into the answer: the end of the question and the chat template's turn marker) and a
+hash of its whole prompt. A lookup first asks whether this very prompt was answered before and
+this answer has so far said what that one did (the same question again: `Recall.same_question`,
+found by the hash and confirmed by comparing back); else it takes the context's last n tokens for
+n in KEY_NS, longest first, finds where they were last followed by something, and measures the
+match back as far as MATCH_CAP tokens, as the per-request index does. A long match of that kind
+is not the same question: an editor's completion at the same cursor in a changed file, or a long
+system prompt shared by different questions, end alike and are answered differently. Entries
+never run into each other (a separator no token equals lies between).
 
 Bounded: at most `capacity` tokens; past it the oldest half of the entries is dropped and the
-rest re-indexed (~2 ms per 10k tokens, once per capacity/2 tokens remembered). Memory: ~80
+rest re-indexed (~5 ms per 10k tokens measured on a 2-core EPYC, once per capacity/2 tokens remembered). Memory: ~80
 bytes a token per key length (dict entries keyed by the n-gram's hash), ~8 MB at 32k tokens.
 
 It is one object per daemon, shared by every slot's prompt lookup; requests of one slot end
@@ -27,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 # Tokens of the prompt kept before each answer: enough to measure a repeated question's match to
 # MATCH_CAP and to key its first answer token on the question rather than the template alone.
@@ -37,26 +42,49 @@ KEY_NS = (12, 4)
 _SEP = -1  # between entries: no token id equals it, so matches and drafts stop there
 
 
+def question_key(prompt: Sequence[int]) -> int:
+    """What identifies a prompt for `NgramMemory.lookup`'s same-question test. A collision only
+    offers a wrong draft, which verification rejects. ~20 µs for a 4,000-token prompt."""
+    return hash(tuple(prompt))  # numpy ints hash as the ints they equal
+
+
+class Recall(NamedTuple):
+    tokens: list[int]  # the continuation [<= k]; empty when nothing matched
+    length: int = 0  # tokens of the context's suffix equal to those before it (<= cap)
+    same_question: bool = False  # this prompt was answered before, and this answer so far says what that one did
+
+
+class _Entry(NamedTuple):
+    tokens: list[int]  # [<= TAIL prompt tokens + answer]
+    question: int | None  # question_key of the whole prompt; None: not known, or the entry lost its lead-in
+    answer_at: int  # index in tokens of the answer's first token
+
+
 class NgramMemory:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # tokens, separators included; 0: remembers nothing
-        self._entries: deque[list[int]] = deque()  # [tail + answer] per generation, oldest first
-        self._tokens: list[int] = []  # the entries, each followed by _SEP
+        self._entries: deque[_Entry] = deque()  # one per generation, oldest first
+        self._tokens: list[int] = []  # the entries' tokens, each followed by _SEP
         self._tables: dict[int, dict[int, int]] = {n: {} for n in KEY_NS}  # n -> hash(n-gram) -> position after it
+        # question_key -> positions of its latest answer's first token and of the separator after it
+        self._answers: dict[int, tuple[int, int]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def add(self, context: Sequence[int], prompt_len: int) -> None:
+    def add(self, context: Sequence[int], prompt_len: int, question: int | None = None) -> None:
         """Remember a finished generation: `context` is its prompt (the first prompt_len tokens)
-        and its answer. A generation that answered nothing leaves nothing."""
-        if self.capacity <= 0 or len(context) <= prompt_len:
+        and its answer; question: the prompt's question_key. A generation that answered nothing
+        leaves nothing; an entry longer than the capacity keeps its end (and loses its question)."""
+        if self.capacity <= 1 or len(context) <= prompt_len:
             return
-        entry = [int(t) for t in context[max(0, prompt_len - TAIL) :]][-(self.capacity - 1) :]
+        start = max(0, prompt_len - TAIL)
+        cut = max(0, len(context) - start - (self.capacity - 1))  # tokens over the capacity (the separator's included)
+        entry = _Entry([int(t) for t in context[start + cut :]], question if cut == 0 else None, prompt_len - start - cut)
         with self._lock:
-            if len(self._tokens) + len(entry) + 1 > self.capacity:
-                self._drop_oldest(len(entry) + 1)
+            if len(self._tokens) + len(entry.tokens) + 1 > self.capacity:
+                self._drop_oldest(len(entry.tokens) + 1)
             self._entries.append(entry)
             self._index(entry)
 
@@ -66,53 +94,72 @@ class NgramMemory:
             self._tokens.clear()
             for t in self._tables.values():
                 t.clear()
+            self._answers.clear()
 
-    def lookup(self, context: Sequence[int], k: int, cap: int) -> tuple[list[int], int]:
-        """The continuation [<= k] of the context's suffix where it last occurred here, and the
-        match's length (<= cap tokens compared back); ([], 0) when no key length matches."""
+    def lookup(self, context: Sequence[int], k: int, cap: int, question: int | None = None, answered: int = 0) -> Recall:
+        """The continuation [<= k] of the context where the memory holds what follows it, and the
+        match's length (<= cap tokens compared back). question: the request's question_key, and
+        answered: the tokens of the context that are its answer so far; when this prompt was
+        answered before and the context's last min(cap, all) tokens are what that answer had at
+        this point, its continuation (`same_question`). Else the latest place the context's
+        suffix (KEY_NS tokens) was followed; Recall([]) when no key length matches."""
         if not self._tokens or k <= 0:
-            return [], 0
+            return Recall([])
         with self._lock:
-            toks = self._tokens
+            first, stop = self._answers.get(question, (0, 0)) if question is not None else (0, 0)
+            if first + answered < stop:  # that answer went on from here
+                length = self._back(context, first + answered, cap)
+                if length >= min(cap, len(context)):
+                    return Recall(self._follow(first + answered, k), length, True)
             for n in KEY_NS:
                 if len(context) < n:
                     continue
                 at = self._tables[n].get(hash(tuple(context[-n:])))
                 if at is None:
                     continue
-                length = 0  # compared back from the continuation: confirms the key and measures the match
-                while length < cap and at - length > 0 and toks[at - length - 1] == context[-length - 1]:
-                    length += 1
-                    if length == len(context):
-                        break
+                length = self._back(context, at, cap)  # confirms the key and measures the match
                 if length < n:  # a hash collision, not the n-gram
                     continue
-                end = at
-                while end < len(toks) and end - at < k and toks[end] != _SEP:
-                    end += 1
-                return toks[at:end], length
-        return [], 0
+                return Recall(self._follow(at, k), length)
+        return Recall([])
 
-    def _index(self, entry: list[int]) -> None:
+    def _back(self, context: Sequence[int], at: int, cap: int) -> int:
+        """Tokens (<= cap) before position `at` equal to the context's last ones."""
+        toks, length = self._tokens, 0
+        while length < cap and length < len(context) and at - length > 0 and toks[at - length - 1] == context[-length - 1]:
+            length += 1
+        return length
+
+    def _follow(self, at: int, k: int) -> list[int]:
+        """Up to k tokens from `at`, to the end of their entry."""
+        toks, end = self._tokens, at
+        while end < len(toks) and end - at < k and toks[end] != _SEP:
+            end += 1
+        return toks[at:end]
+
+    def _index(self, entry: _Entry) -> None:
         base = len(self._tokens)
-        self._tokens.extend(entry)
+        self._tokens.extend(entry.tokens)
         self._tokens.append(_SEP)
+        if entry.question is not None:
+            self._answers[entry.question] = (base + entry.answer_at, base + len(entry.tokens))
         for n, table in self._tables.items():
             # every n-gram inside the entry that something in the entry follows
-            for end in range(base + n, base + len(entry)):
+            for end in range(base + n, base + len(entry.tokens)):
                 table[hash(tuple(self._tokens[end - n : end]))] = end
 
     def _drop_oldest(self, room: int) -> None:
         """Keep the newest entries that leave `room` tokens and at most half the capacity."""
         keep, size = [], 0
         for e in reversed(self._entries):
-            if size + len(e) + 1 + room > max(self.capacity // 2, room):
+            if size + len(e.tokens) + 1 + room > max(self.capacity // 2, room):
                 break
             keep.append(e)
-            size += len(e) + 1
+            size += len(e.tokens) + 1
         self._entries = deque(reversed(keep))
         self._tokens = []
         for t in self._tables.values():
             t.clear()
+        self._answers.clear()
         for e in self._entries:
             self._index(e)
