@@ -193,3 +193,20 @@ def test_an_auto_request_leaves_its_answer_to_the_memory_every_slot_shares():
     prop = NgramProposer(2, 12, mem)
     prop.begin([5, 9, 2, 7, 3, 8, 11, 4])
     assert prop.match([5, 9, 2, 7, 3, 8, 11, 4], 4).repeat
+
+
+def test_every_slot_drafts_from_the_daemons_one_memory_and_the_bench_can_give_each_arm_its_own():
+    from types import SimpleNamespace
+
+    from homespec.config import Config
+    from homespec.serving.host import Host
+
+    models = SimpleNamespace(target=FakeRuntime(vocab=64, seed=3), draft=None, mtp_head=None)
+    host = Host(Config(), models)  # type: ignore[arg-type]
+    slot0, slot1 = host.controller.proposers["ngram"], host._proposers_of(1)["ngram"]
+    assert host.ngram_memory is not None and slot0.memory is slot1.memory is host.ngram_memory
+    arm = NgramMemory(2048)
+    host.use_ngram_memory(arm)
+    assert slot0.memory is slot1.memory is arm and host._proposers_of(2)["ngram"].memory is arm
+    off = Host(Config(speculation={"ngram": {"memory_tokens": 0}}), models)  # type: ignore[arg-type]
+    assert off.ngram_memory is None and off.controller.proposers["ngram"].memory is None
