@@ -1,8 +1,9 @@
 """Prompt lookup across requests: what earlier answers said, for drafting a later one.
 
-Home apps ask the same things again: a voice assistant's daily "turn on the kitchen lights", a
-chat UI's regenerate, an editor asking for the same completion after an undo. At temperature 0
-the answer is the same text, so the earlier answer is a near-perfect draft; llama-server's
+Home apps ask the same things again: an automation's scheduled question, a greedy regenerate,
+an editor asking for the same completion after an undo; and a voice command often ends as an
+earlier one did, whatever the states and time its prompt carries before. At temperature 0 the
+answer to the same prompt is the same text, so the earlier answer is a near-perfect draft; llama-server's
 `ngram-mod` keeps such a pool across its slots for the same reason. Verification is unchanged,
 so what the memory proposes never changes what the target says (a greedy answer stays its
 argmax; a sampled one keeps its distribution); it only changes how many passes it takes.
