@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What flash attention costs or saves on this CPU (runtime.flash_attn): the target's prefill
-and its one- and five-row passes (a decode step, a verify pass of k = 4) over histories of
-several lengths, with it off and on. Each setting runs in a process of its own (it is fixed per
+and its passes of one and more rows (a decode step; verify passes, k = rows - 1: 5 by default,
+17 and 49 for the long drafts of copies) over histories of several lengths, with it off and on. Each setting runs in a process of its own (it is fixed per
 context), the processes alternate, and each starts as the daemon does (huge pages where
 `homespec serve` asks for them).
 
-    .venv/bin/python scripts/flash_attn_cost.py [--rounds 2] [--depths 300,1000,2000,3000]
+    .venv/bin/python scripts/flash_attn_cost.py [--rounds 2] [--depths 300,1000,2000,3000] [--rows 1,5,17,49]
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def pass_ms(slot: Slot, rows: int, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(flash_attn: bool, depths: list[int]) -> dict:
-    """One setting, in this process: prefill tok/s, and ms per pass of 1 and 5 rows per depth."""
+def measure(flash_attn: bool, depths: list[int], rows: list[int]) -> dict:
+    """One setting, in this process: prefill tok/s, and ms per pass of each of `rows` per depth."""
     rt = Runtime(TARGET, RuntimeOptions(n_ctx=4096, n_seq=4, n_threads=physical_cores(), flash_attn=flash_attn))
     rng = random.Random(0)
     tokens = [rng.randrange(100, 20000) for _ in range(max(depths + [PREFILL]))]
@@ -55,7 +55,7 @@ def measure(flash_attn: bool, depths: list[int]) -> dict:
         slot.reset()
         for a in range(0, d, 128):
             slot.eval(tokens[a : min(a + 128, d)], "none")
-        out["passes"][d] = [pass_ms(slot, 1, 15), pass_ms(slot, 5, 7)]
+        out["passes"][d] = [pass_ms(slot, n, 15 if n == 1 else 7) for n in rows]
     rt.close()
     return out
 
@@ -64,27 +64,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--depths", default="300,1000,2000,3000", help="history lengths, tokens")
+    ap.add_argument("--rows", default="1,5", help="pass sizes, tokens")
     ap.add_argument("--one", choices=["on", "off"], help=argparse.SUPPRESS)  # (a child: one setting)
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
+    rows = [int(n) for n in args.rows.split(",")]
     if args.one:
-        print(json.dumps(measure(args.one == "on", depths)))
+        print(json.dumps(measure(args.one == "on", depths, rows)))
         return
     env = environ_with_huge_pages() or dict(os.environ)
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for r in range(args.rounds):
         for setting in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            child = subprocess.run([sys.executable, __file__, "--one", setting, "--depths", args.depths],
+            child = subprocess.run([sys.executable, __file__, "--one", setting, "--depths", args.depths, "--rows", args.rows],
                                    env=env, capture_output=True, text=True, check=True)
             runs[setting].append(json.loads(child.stdout.splitlines()[-1]))
     for setting, got in runs.items():
         prefill = statistics.median(g["prefill"] for g in got)
         cells = []
         for d in depths:
-            one = statistics.median(g["passes"][str(d)][0] for g in got)
-            five = statistics.median(g["passes"][str(d)][1] for g in got)
-            cells.append(f"{d}: {one:.1f} / {five:.1f}")
-        print(f"flash attention {setting:3s}: prefill {prefill:5.1f} tok/s | ms per pass of 1 / 5 rows after "
+            ms = [statistics.median(g["passes"][str(d)][i] for g in got) for i in range(len(rows))]
+            cells.append(f"{d}: " + " / ".join(f"{m:.1f}" for m in ms))
+        print(f"flash attention {setting:3s}: prefill {prefill:5.1f} tok/s | ms per pass of {' / '.join(map(str, rows))} rows after "
               f"a history of " + " | ".join(cells) + f"  (medians of {len(got)} processes)")
 
 
