@@ -251,7 +251,10 @@ def test_the_same_question_again_drafts_the_remembered_answer_and_says_the_same(
     again = oai(served).chat.completions.create(**kw)
     assert again.choices[0].message.content == first.choices[0].message.content
     f, a = first.model_extra["homespec"], again.model_extra["homespec"]
-    assert a["accepted"] >= again.usage.completion_tokens - 2 * 9  # all but the first token and one step's worth
+    # Not drafted: the first token, the target's own token after each full draft of 8, and what
+    # follows a near-tie the two answers part at (a step's worth).
+    n = again.usage.completion_tokens
+    assert a["accepted"] >= (n - 1) * 8 / 9 - 9, (f, a, n)
     assert a["steps"] < f["steps"], (f, a)
 
 

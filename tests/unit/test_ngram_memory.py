@@ -133,6 +133,8 @@ def test_an_answer_that_left_the_remembered_one_or_outran_it_is_no_longer_the_sa
     mem.add(list(range(300, 360)) + [77] * 20, 60, question_key(list(range(300, 360))))
     left = QUESTION + ANSWER[:3] + [55]  # said something else at its 4th token
     assert not mem.lookup(left, 4, MATCH_CAP, q, 4).same_question
+    back = QUESTION + ANSWER[:2] + [55] + ANSWER[3:6]  # ... at its 3rd, then the same again: not yet 32 tokens alike
+    assert not mem.lookup(back, 4, MATCH_CAP, q, 6).same_question
     outran = QUESTION + ANSWER + [77] * 12  # longer than the remembered answer: what follows is another entry's
     assert not mem.lookup(outran, 4, MATCH_CAP, q, len(ANSWER) + 12).same_question
     assert mem.lookup(QUESTION + ANSWER, 4, MATCH_CAP, q, len(ANSWER)) == Recall([])  # it ended there
@@ -143,10 +145,25 @@ def test_a_memory_smaller_than_an_answer_keeps_its_end_within_its_capacity_and_f
     mem = NgramMemory(64)
     mem.add(QUESTION + long_answer, len(QUESTION), question_key(QUESTION))
     assert len(mem) == 64  # the answer's last 63 tokens and a separator
-    assert not mem.lookup(QUESTION, 4, MATCH_CAP, question_key(QUESTION), 0).tokens
+    # what is left of it is found by its words, not as the same question's answer
+    assert mem.lookup(QUESTION + long_answer[:80], 4, MATCH_CAP, question_key(QUESTION), 80) == Recall(long_answer[80:84], MATCH_CAP)
     tiny = NgramMemory(1)  # no room for a token beside the separator
     tiny.add(QUESTION + ANSWER, len(QUESTION), question_key(QUESTION))
     assert len(tiny) == 0
+
+
+def test_a_context_that_only_extends_a_finished_request_is_not_taken_for_its_prompt_again():
+    mem = NgramMemory(1000)
+    prop = NgramProposer(2, 12, mem)
+    prop.begin(QUESTION)
+    prop.end(QUESTION + ANSWER)
+    turn = QUESTION + ANSWER + [400, 401, 402]  # the chat's next turn, matched without begin()
+    prop.match(turn, 4)
+    prop.end(turn + [500, 501])
+    q = question_key(QUESTION)
+    assert mem.lookup(QUESTION, 4, MATCH_CAP, q, 0) == Recall(ANSWER[:4], MATCH_CAP, True)
+    # the question's answer ended after ANSWER: what the next turn said is not part of it
+    assert mem.lookup(QUESTION + ANSWER, 4, MATCH_CAP, q, len(ANSWER)) == Recall([400, 401, 402, 500], MATCH_CAP)
 
 
 def test_the_proposer_marks_only_its_own_prompts_remembered_answer_as_a_repeat():

@@ -150,6 +150,7 @@ class NgramProposer:
         """The answer is remembered for later requests (its prompt's tail included)."""
         if self.memory is not None:
             self.memory.add(context, self.prompt_len, self.question)
+        self.question = None  # until the next begin(): a context that only extends this one is not this prompt
 
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator

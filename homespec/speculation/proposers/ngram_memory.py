@@ -72,7 +72,8 @@ class NgramMemory:
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        with self._lock:
+            return len(self._tokens)
 
     def add(self, context: Sequence[int], prompt_len: int, question: int | None = None) -> None:
         """Remember a finished generation: `context` is its prompt (the first prompt_len tokens)
@@ -104,9 +105,11 @@ class NgramMemory:
         answered before and the context's last min(cap, all) tokens are what that answer had at
         this point, its continuation (`same_question`). Else the latest place the context's
         suffix (KEY_NS tokens) was followed; Recall([]) when no key length matches."""
-        if not self._tokens or k <= 0:
+        if k <= 0:
             return Recall([])
         with self._lock:
+            if not self._tokens:
+                return Recall([])
             first, stop = self._answers.get(question, (0, 0)) if question is not None else (0, 0)
             if first + answered < stop:  # that answer went on from here
                 length = self._back(context, first + answered, cap)
