@@ -59,7 +59,7 @@ def mixed_prompts(n: int, context_words: int = 0) -> list[tuple[str, list[dict]]
 
 def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, priority: int = 0) -> dict:
     t0 = time.perf_counter()
-    ttft, text, n = None, "", 0
+    ttft, text, n, chosen = None, "", 0, {}
     stream = client.chat.completions.create(
         model="homespec", messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_headers={"X-Homespec-Priority": str(priority)},
@@ -70,7 +70,13 @@ def ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, priority: 
             text += chunk.choices[0].delta.content
         if chunk.usage:
             n = chunk.usage.completion_tokens
-    return {"text": text, "tokens": n, "ttft": ttft, "seconds": time.perf_counter() - t0}
+            chosen = (chunk.model_extra or {}).get("homespec", {}).get("proposers", {})  # proposer:k -> steps
+    return {"text": text, "tokens": n, "ttft": ttft, "seconds": time.perf_counter() - t0, "chosen": chosen}
+
+
+def _steps(chosen: dict) -> str:
+    """A request's steps by proposer:k, most first (its `homespec.proposers`)."""
+    return ", ".join(f"{c}x{n}" for c, n in sorted(chosen.items(), key=lambda kv: -kv[1])) or "-"
 
 
 def together(client: openai.OpenAI, jobs: list[tuple[list[dict], int, int]]) -> tuple[list[dict], float]:
@@ -139,7 +145,8 @@ def main() -> None:
                   f"{par_tps:.2f} tok/s ({par_s:.1f} s): {par_tps / seq_tps:.2f}x", flush=True)
             for (kind, _), a, b in zip(prompts, alone, at_once):
                 print(f"    {kind:5s} alone {a['tokens']:4d} tok ttft {a['ttft']:.2f} s | at once {b['tokens']:4d} tok "
-                      f"ttft {b['ttft']:.2f} s | {'same text' if a['text'] == b['text'] else 'text differs'}")
+                      f"ttft {b['ttft']:.2f} s | {'same text' if a['text'] == b['text'] else 'text differs'} | "
+                      f"steps alone {_steps(a['chosen'])}, at once {_steps(b['chosen'])}")
         if args.rounds:
             print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
                   f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
