@@ -57,10 +57,23 @@ def test_past_its_capacity_the_oldest_answers_go_and_the_newest_stay():
     mem = NgramMemory(400)
     prompts = [list(range(1000 * i, 1000 * i + 60)) for i in range(1, 11)]  # [60] each, distinct
     for i, p in enumerate(prompts):
-        mem.add(p + [i] * 40, len(p))  # [48 tail + 40 answer] + separator each
+        mem.add(p + [i] * 40, len(p), question_key(p))  # [48 tail + 40 answer] + separator each
         assert len(mem) <= 400
     assert mem.lookup(prompts[-1], 2, MATCH_CAP) == Recall([9, 9], MATCH_CAP)
     assert mem.lookup(prompts[0], 2, MATCH_CAP) == Recall([])
+    assert mem.lookup(prompts[-1], 2, MATCH_CAP, question_key(prompts[-1]), 0) == Recall([9, 9], MATCH_CAP, True)
+
+
+def test_a_forgotten_question_is_not_found_where_its_answer_used_to_lie():
+    # Every answer the same words: where the first one lay, a kept one lies after eviction, and
+    # only the question's own record can tell the two apart.
+    mem = NgramMemory(400)
+    prompts = [list(range(1000 * i, 1000 * i + 60)) for i in range(1, 11)]  # [60] each, distinct
+    for p in prompts:
+        mem.add(p + [7] * 40, len(p), question_key(p))
+    said = prompts[0] + [7] * 35
+    assert not mem.lookup(said, 2, MATCH_CAP, question_key(prompts[0]), 35).same_question
+    assert mem.lookup(prompts[-1] + [7] * 35, 2, MATCH_CAP, question_key(prompts[-1]), 35).same_question
 
 
 def test_a_memory_of_no_capacity_remembers_nothing():

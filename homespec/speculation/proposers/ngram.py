@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from homespec.speculation.proposers.base import Evidence, Preview, Proposal, ProposalInfo, ProposerCost
-from homespec.speculation.proposers.ngram_memory import NgramMemory, question_key
+from homespec.speculation.proposers.ngram_memory import NgramMemory, matched_back, question_key
 from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
@@ -85,11 +85,8 @@ class NgramIndex:
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             start = self._tables[n].get(tuple(toks[end - n :]))
             if start is not None:
-                at = start + n
-                length = n  # then compare further back, as far as MATCH_CAP
-                while length < MATCH_CAP and at - length > 0 and toks[at - length - 1] == toks[end - length - 1]:
-                    length += 1
-                return Match(toks[at : at + k], length, at)
+                at = start + n  # n tokens match; then compare further back, as far as MATCH_CAP
+                return Match(toks[at : at + k], matched_back(toks, at, toks, MATCH_CAP, start=n), at)
         return NO_MATCH
 
 

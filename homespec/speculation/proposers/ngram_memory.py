@@ -43,6 +43,16 @@ KEY_NS = (12, 4)
 _SEP = -1  # between entries: no token id equals it, so matches and drafts stop there
 
 
+def matched_back(tokens: Sequence[int], at: int, context: Sequence[int], cap: int, start: int = 0) -> int:
+    """How many tokens (<= cap) before position `at` of `tokens` equal the context's last ones,
+    counting on from `start` already known equal. Prompt lookup measures every match so, in the
+    request's own text (tokens is the context) and in the memory."""
+    length = start
+    while length < cap and length < len(context) and at - length > 0 and tokens[at - length - 1] == context[-length - 1]:
+        length += 1
+    return length
+
+
 def question_key(prompt: Sequence[int]) -> int:
     """What identifies a prompt for `NgramMemory.lookup`'s same-question test. A collision only
     offers a wrong draft, which verification rejects. ~20 µs for a 4,000-token prompt."""
@@ -93,10 +103,7 @@ class NgramMemory:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._tokens.clear()
-            for t in self._tables.values():
-                t.clear()
-            self._answers.clear()
+            self._reindex()
 
     def lookup(self, context: Sequence[int], k: int, cap: int, question: int | None = None, answered: int = 0) -> Recall:
         """The continuation [<= k] of the context where the memory holds what follows it, and the
@@ -112,7 +119,7 @@ class NgramMemory:
                 return Recall([])
             first, stop = self._answers.get(question, (0, 0)) if question is not None else (0, 0)
             if first + answered < stop:  # that answer went on from here
-                length = self._back(context, first + answered, cap)
+                length = matched_back(self._tokens, first + answered, context, cap)
                 if length >= min(cap, len(context)):
                     return Recall(self._follow(first + answered, k), length, True)
             for n in KEY_NS:
@@ -121,18 +128,11 @@ class NgramMemory:
                 at = self._tables[n].get(hash(tuple(context[-n:])))
                 if at is None:
                     continue
-                length = self._back(context, at, cap)  # confirms the key and measures the match
+                length = matched_back(self._tokens, at, context, cap)  # confirms the key and measures the match
                 if length < n:  # a hash collision, not the n-gram
                     continue
                 return Recall(self._follow(at, k), length)
         return Recall([])
-
-    def _back(self, context: Sequence[int], at: int, cap: int) -> int:
-        """Tokens (<= cap) before position `at` equal to the context's last ones."""
-        toks, length = self._tokens, 0
-        while length < cap and length < len(context) and at - length > 0 and toks[at - length - 1] == context[-length - 1]:
-            length += 1
-        return length
 
     def _follow(self, at: int, k: int) -> list[int]:
         """Up to k tokens from `at`, to the end of their entry."""
@@ -161,6 +161,10 @@ class NgramMemory:
             keep.append(e)
             size += len(e.tokens) + 1
         self._entries = deque(reversed(keep))
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Index the entries kept afresh (their positions moved)."""
         self._tokens = []
         for t in self._tables.values():
             t.clear()
