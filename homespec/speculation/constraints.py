@@ -84,6 +84,7 @@ class Grammar:
         self._m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self._m.is_error():
             raise GrammarError(f"invalid grammar: {self._m.get_error()}")
+        self.source = grammar  # what the grammar lets an answer say (engine.shaping)
         self.n_vocab = n_vocab
         self.max_forced = max_forced
 

@@ -35,7 +35,7 @@ is reproducible. The price is acceptance: a draft raced against the same keys is
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -114,10 +114,24 @@ class SpeculationPolicy(Protocol):
 
     def end(self, context: Sequence[int]) -> None:
         """The generation ended with `context` (prompt + answer), having begun (it answered more
-        than its first token), and its answer is the target's own greedy text (no grammar, bias
-        or penalty shaped it: what a later request with the same prompt will be told again): the
-        proposers keep what helps later ones (Proposer.end)."""
+        than its first token), and its answer is greedy: what a later request with the same
+        prompt and the same shaping (`shaping`) will be told again. The proposers keep what helps
+        later ones (Proposer.end)."""
         ...
+
+
+def shaping(params: SamplingParams, grammar: Grammar | None) -> Hashable:
+    """What besides the prompt decides a greedy answer: the logit bias, the penalties (when they
+    are on) and the grammar; () when nothing does (the target's own argmax). The same prompt
+    under another shaping is another question: prompt lookup's memory files an answer under both
+    (Proposer.begin). Jump-forward is not in it: forced tokens are verified like drafts."""
+    penalties = (
+        (params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.penalty_last_n)
+        if params.has_penalties else ()
+    )
+    if not params.logit_bias and not penalties and grammar is None:
+        return ()
+    return (params.logit_bias, penalties, grammar.source if grammar is not None else None)
 
 
 class FixedPolicy:
@@ -354,15 +368,15 @@ class Engine:
             if event.finish_reason is not None:
                 out.finish(event)
                 st.total_s = time.perf_counter() - t_start
-                if not prompt and params.greedy and not params.shifts_logits and grammar is None:
-                    policy.end(ctx)  # begun (after the first token), and worth drafting again
+                if not prompt and params.greedy:
+                    policy.end(ctx)  # begun (after the first token), and the answer its question gets again
                 yield event
                 return
             alongside = (yield event) or 0
             if prompt:  # the first token is out: a draft's prefill of the prompt is not in its TTFT
                 left = max_tokens - st.completion_tokens
                 for proposer in policy.begin(prompt, not params.greedy, alongside, tokens_left=left):
-                    proposer.begin(prompt)
+                    proposer.begin(prompt, shaping(params, grammar))
                 prompt = []
             room = self.target.n_ctx - len(ctx) - 1  # a step may grow ctx by k + 1 <= n_ctx
             budget = max(0, min(room, max_tokens - st.completion_tokens - 1))

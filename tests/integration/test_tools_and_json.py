@@ -240,3 +240,19 @@ def test_openai_client_raises_bad_request_for_an_invalid_schema(served: Served) 
     with pytest.raises(openai.BadRequestError):
         oai(served).chat.completions.create(model=served.model, messages=[{"role": "user", "content": "hi"}],
                                             response_format=_schema_format({"type": "nonsense"}), max_tokens=4)
+
+
+def test_the_same_tool_call_question_again_drafts_the_remembered_call(served: Served) -> None:
+    # A tool call's grammar shapes its answer, so the memory files it under the prompt and the
+    # grammar (engine.shaping): asked again with the same tools, the whole earlier call is the
+    # draft. Forced ngram: what is drafted, not what auto judges worth it on this CPU.
+    kw = dict(model=served.model, messages=[{"role": "user", "content": "Switch off the light in the hall, please."}],
+              tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=0,
+              extra_body={"homespec": {"speculation": "ngram", "k": 8}})
+    first = oai(served).chat.completions.create(**kw)
+    again = oai(served).chat.completions.create(**kw)
+    (call,), (call2,) = first.choices[0].message.tool_calls, again.choices[0].message.tool_calls
+    assert (call2.function.name, _valid_call(call2)) == (call.function.name, _valid_call(call))
+    f, a = first.model_extra["homespec"], again.model_extra["homespec"]
+    assert a["steps"] < f["steps"], (f, a)
+    assert a["accepted"] > f["accepted"], (f, a)

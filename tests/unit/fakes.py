@@ -8,7 +8,7 @@ weights and without llama.cpp's batch noise.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -156,7 +156,7 @@ class ScriptedModel:
         self.name = name
         self.behind = 0
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         pass
 
     def preview(self, context: Sequence[int], k: int) -> Preview:

@@ -7,7 +7,8 @@ import numpy as np
 
 from homespec.config import ControllerConfig
 from homespec.speculation.controller import Controller
-from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.constraints import Grammar
+from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats, shaping
 from homespec.speculation.proposers.ngram import MATCH_CAP, NgramProposer
 from homespec.speculation.proposers.ngram_memory import TAIL, NgramMemory, Recall, question_key
 from homespec.speculation.sampling import SamplingParams
@@ -196,22 +197,60 @@ def test_the_proposer_marks_only_its_own_prompts_remembered_answer_as_a_repeat()
     assert not again.evidence(m).repeat
 
 
-def _generate(mem: NgramMemory, params: SamplingParams, grammar=None, policy=None) -> str:
+PROMPT = [5, 9, 2, 7, 3, 8, 11, 4]  # [8] the prompt _generate answers
+
+
+def _generate(mem: NgramMemory, params: SamplingParams, grammar=None, policy=None, st: GenerationStats | None = None) -> str:
     rt = FakeRuntime(vocab=64, seed=3)
     policy = policy or FixedPolicy(NgramProposer(2, 12, mem), 8)
-    events = Engine(rt).generate([5, 9, 2, 7, 3, 8, 11, 4], params, 30, (), policy, GenerationStats(), grammar)
+    events = Engine(rt).generate(PROMPT, params, 30, (), policy, st or GenerationStats(), grammar)
     return "".join(ev.text for ev in events)
 
 
-def test_only_an_answer_that_is_the_targets_own_greedy_text_is_remembered():
+def _regex_grammar(regex: str = RUN) -> Grammar:
+    return grammar_for(FakeRuntime(vocab=64, seed=3), llguidance.LLMatcher.grammar_from_regex(regex))
+
+
+def test_a_sampled_answer_is_not_remembered_for_the_next_draw_says_something_else():
     mem = NgramMemory(4096)
     _generate(mem, SamplingParams(temperature=0.8, seed=1))
-    _generate(mem, SamplingParams(logit_bias=((3, 5.0),)))
-    _generate(mem, SamplingParams(repetition_penalty=1.3))
-    _generate(mem, SamplingParams(), grammar_for(FakeRuntime(vocab=64, seed=3), llguidance.LLMatcher.grammar_from_regex(RUN)))
-    assert len(mem) == 0  # a draw, a bias, a penalty or a grammar shaped them: another request would not be told that
+    assert len(mem) == 0
     _generate(mem, SamplingParams())
     assert len(mem) > 0
+
+
+# Each kind of shaping a greedy answer can have: its sampling parameters and grammar (made afresh:
+# a grammar's state follows its request).
+SHAPED = {
+    "none": (SamplingParams(), lambda: None),
+    "grammar": (SamplingParams(), _regex_grammar),
+    "another grammar": (SamplingParams(), lambda: _regex_grammar("[a-d]+")),  # another tool set
+    "bias": (SamplingParams(logit_bias=((3, 5.0),)), lambda: None),
+    "penalty": (SamplingParams(repetition_penalty=1.3), lambda: None),
+}
+
+
+def test_a_greedy_answer_is_the_same_question_again_only_under_the_same_shaping():
+    for asked, (params, grammar) in SHAPED.items():
+        mem = NgramMemory(4096)
+        _generate(mem, params, grammar())
+        assert len(mem) > 0, asked  # a grammar, a bias or a penalty shaped it: kept all the same
+        for again, (params2, grammar2) in SHAPED.items():
+            prop = NgramProposer(2, 12, mem)
+            prop.begin(PROMPT, shaping(params2, grammar2()))
+            m = prop.match(PROMPT, 4)
+            assert m.repeat == (again == asked), (asked, again)  # the same prompt, shaped otherwise: another question
+
+
+def test_a_tool_call_asked_again_with_its_grammar_drafts_the_remembered_call_and_says_the_same():
+    mem = NgramMemory(4096)
+    first = _generate(mem, SamplingParams(), _regex_grammar())
+    st = GenerationStats()
+    again = _generate(mem, SamplingParams(), _regex_grammar(), st=st)
+    assert again == first
+    # every token but the first and each step's bonus was drafted from the memory, and kept
+    assert st.accepted == st.proposed == st.completion_tokens - 1 - st.steps
+    assert shaping(SamplingParams(), None) == ()  # the target's own argmax: nothing else shapes it
 
 
 def test_an_auto_request_leaves_its_answer_to_the_memory_every_slot_shares():
@@ -221,8 +260,8 @@ def test_an_auto_request_leaves_its_answer_to_the_memory_every_slot_shares():
     _generate(mem, SamplingParams(), policy=controller.policy(slot))
     assert len(mem) > 0
     prop = NgramProposer(2, 12, mem)
-    prop.begin([5, 9, 2, 7, 3, 8, 11, 4])
-    assert prop.match([5, 9, 2, 7, 3, 8, 11, 4], 4).repeat
+    prop.begin(PROMPT)
+    assert prop.match(PROMPT, 4).repeat
 
 
 def test_every_slot_drafts_from_the_daemons_one_memory_and_the_bench_can_give_each_arm_its_own():

@@ -4,7 +4,7 @@ chosen on its measured merit, verified exactly — with no change to the control
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ class RepeatLast:
     name = "repeat"
     free_prefill = True
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         pass
 
     def preview(self, context: Sequence[int], k: int) -> Preview:

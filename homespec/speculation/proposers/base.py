@@ -13,7 +13,7 @@ implements `Proposer`, plus registering it with the controller (`Controller.add_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -86,8 +86,10 @@ class Proposer(Protocol):
     # also tells the proposer where the prompt ends. False: prefilled only while it pays.
     free_prefill: bool
 
-    def begin(self, prompt: Sequence[int]) -> None:
-        """A new generation starts with this prompt: catch up (prefill) now."""
+    def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
+        """A new generation starts with this prompt: catch up (prefill) now. shaping: what
+        besides the prompt decides its greedy answer (engine.shaping: a grammar, a bias, a
+        penalty; () for none): the same prompt under another shaping asks another question."""
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
         """How many tokens (<= k) it could propose after `context`, and under which evidence."""
@@ -106,8 +108,8 @@ class Proposer(Protocol):
 
     def end(self, context: Sequence[int]) -> None:
         """The generation it was begun for ended with `context` (prompt + answer), a greedy
-        answer no grammar, bias or penalty shaped (SpeculationPolicy.end): keep what helps later
-        requests (prompt lookup remembers the answer)."""
+        answer (SpeculationPolicy.end): keep what helps later requests (prompt lookup remembers
+        the answer, filed under its prompt and shaping)."""
         ...
 
     def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class DraftProposer:
         # Tokenizers may differ by padding rows (gguf_info allows <= 128): pad q to the target's.
         self.target_vocab = target_vocab
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         # Prefill all but the last token without logits; the first proposal evaluates the rest.
         keep = min(len(prompt) - 1, common_prefix(self.rt.tokens, prompt))
         self.rt.truncate(keep)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -107,7 +107,7 @@ class MTPProposer:
         self._real_end = last + 1
         return h_pred, logits, last + 1 - lo
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         # The target has just read the prompt (and holds nothing more until the first verify
         # pass): build the entries it allows now.
         # Entry len(prompt) - 1 needs the first generated token; the first proposal adds it.

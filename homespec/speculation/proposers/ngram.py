@@ -22,7 +22,7 @@ itself kept 2-8 even on matches of 16-31 tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -108,15 +108,15 @@ class NgramProposer:
         self.index = NgramIndex(n_min, n_max)
         self.prompt_len = 0  # tokens of the current request's prompt: a match before it copies the prompt
         self.memory = memory  # earlier requests' answers (shared by every slot); None: this request only
-        self.question: int | None = None  # question_key of the prompt, for the memory (None: no memory)
+        self.question: int | None = None  # question_key of the prompt and shaping, for the memory (None: no memory)
 
-    def begin(self, prompt: Sequence[int]) -> None:
+    def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         self.index.sync(prompt)
-        self._prompt(prompt)
+        self._prompt(prompt, shaping)
 
-    def _prompt(self, prompt: Sequence[int]) -> None:
+    def _prompt(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         self.prompt_len = len(prompt)
-        self.question = question_key(prompt) if self.memory is not None else None
+        self.question = question_key(prompt, shaping) if self.memory is not None else None
 
     def match(self, context: Sequence[int], k: int) -> Match:
         """The proposal and how it matched, without timing."""

@@ -10,7 +10,9 @@ argmax; a sampled one keeps its distribution); it only changes how many passes i
 
 Each finished greedy generation leaves its answer here with the last TAIL tokens of its prompt
 (what leads into the answer: the end of the question and the chat template's turn marker) and a
-hash of its whole prompt. A lookup first asks whether this very prompt was answered before and
+hash of its whole prompt and of what else shaped the answer (a tool call's grammar, a logit bias:
+Home Assistant asks the same tool-calling question with the same tools again, and is told the
+same call). A sampled answer is not kept: the next draw says something else. A lookup first asks whether this very prompt was answered before and
 this answer has so far said what that one did (the same question again: `Recall.same_question`,
 found by the hash and confirmed by comparing back); else it takes the context's last n tokens for
 n in KEY_NS, longest first, finds where they were last followed by something, and measures the
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 # Tokens of the prompt kept before each answer: enough to measure a repeated question's match to
@@ -53,10 +55,12 @@ def matched_back(tokens: Sequence[int], at: int, context: Sequence[int], cap: in
     return length
 
 
-def question_key(prompt: Sequence[int]) -> int:
-    """What identifies a prompt for `NgramMemory.lookup`'s same-question test. A collision only
-    offers a wrong draft, which verification rejects. ~20 µs for a 4,000-token prompt."""
-    return hash(tuple(prompt))  # numpy ints hash as the ints they equal
+def question_key(prompt: Sequence[int], shaping: Hashable = ()) -> int:
+    """What identifies a question for `NgramMemory.lookup`'s same-question test: the prompt and
+    what else decides its greedy answer (engine.shaping: a tool call's grammar, a bias; () for
+    none). A collision only offers a wrong draft, which verification rejects. ~20 µs for a
+    4,000-token prompt (a grammar's text hashes once: Python keeps a string's hash)."""
+    return hash((tuple(prompt), shaping))  # numpy ints hash as the ints they equal
 
 
 class Recall(NamedTuple):
