@@ -356,6 +356,33 @@ def test_probes_of_a_proposer_that_keeps_losing_grow_rarer_up_to_a_bounded_inter
     assert max(gaps) == 8 << MAX_BACKOFF, f"the interval should stop doubling: {gaps}"
 
 
+def test_probes_of_evidence_that_keeps_losing_grow_rarer_though_the_proposer_pays_under_other_evidence():
+    # Prose: prompt lookup's 2-token matches into the answer are never kept, while its rare long
+    # copies of the prompt always are and are chosen on merit. Those choices must not reset the
+    # backoff of probes under the 2-token evidence (they did, per proposer: probes every 32 steps).
+    # A curve where a 1-token draft costs 1.2 passes (one kept in 12 does not pay) and a probe
+    # little: the backoff, not the budget, spaces the probes.
+    m = Machine(lambda n: 0.02 * (1 + 0.2 * (n - 1)), {}, ngram_cont=0)
+    c = m.controller(proposers=("ngram",), explore_every=8)
+    ngram = c.proposer("ngram")
+    weak = []  # step numbers of steps drafted under the 2-token evidence
+    for i in range(2000):
+        strong = i % 100 == 0  # rarer than the longest probe interval (64 steps)
+        ngram.peek = lambda context, k, strong=strong: Match([1] * k, 16 if strong else 2, from_prompt=strong)
+        d = c.decide(m.ctx)
+        evidence = ngram.preview(m.ctx, d.k).evidence if d.k else Evidence()
+        outcomes = (True,) * d.k if strong else (False,) * min(d.k, 1)
+        c.observe(StepStats(d.name, d.k, d.k, sum(outcomes), 0.0, m.cost(d.k + 1), outcomes, ProposalInfo(evidence)))
+        m.ctx += [1] * (sum(outcomes) + 1)
+        if d.k and not strong:
+            weak.append(i)
+    gaps = [int(g) for g in np.diff(weak)]
+    assert c.view.chosen.get("ngram:16", 0) > 15  # the copies drafted on merit
+    # Backed off to the longest interval after the proposer was last used, and still retried in
+    # every stretch without copies (per proposer they came back 8, 16 and 32 steps after each).
+    assert len(gaps) > 15 and all(8 << MAX_BACKOFF <= g <= 100 for g in gaps[-10:]), f"no backoff: {gaps}"
+
+
 def test_a_probe_whose_k_the_engine_clipped_still_counts_as_a_probe():
     # The engine cuts k near max_tokens / n_ctx: a probe decided at k = 4 runs at k = 2. It still
     # measured the proposer, so it counts (view, budget) and a losing one backs off.
