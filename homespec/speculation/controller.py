@@ -44,7 +44,8 @@ probe offered as well, and a choice on merit under other evidence does not clear
 prompt lookup's rare long copies are drafted on merit, and its 2-token matches, probed and
 rejected again and again, would otherwise come back every explore_every steps after each copy
 (scripts/controller_replay.py on the 46 recorded outputs, three measured 2-core curves: code
-+0.4 to +1.3 %, edit +0.3 to +1.5 %, chat -0.5 to +0.9 %). The rule uses no randomness: the same observations give the same decisions.
++0.4 to +1.3 %, edit +0.3 to +1.5 %, chat -0.5 to +0.9 %). The rule uses no randomness: the
+same observations give the same decisions.
 
 How this differs from transformers' assisted generation (`num_assistant_tokens` +2 on full
 acceptance, -1 otherwise): that heuristic targets acceptance and ignores cost, so on a CPU it
