@@ -197,13 +197,15 @@ class SpeculationConfig(_Strict):
     _mode_words = field_validator("mode", mode="before")(_yaml_switch)
     # Used by the fixed modes (draft, ngram, mtp).
     k: int = Field(4, ge=0, le=64, description="Draft length in the fixed modes (0 = off)")
-    # 48: on a 2-core CPU a pass over 49 tokens costs ~20x one pass and over 17 ~9x, so a copy kept
-    # whole (an edit, the same question again) gains most from the longest drafts; the controller's
-    # costs and earned lengths keep everything else short. Bench (--rounds 2: each prompt asked
-    # twice, so half the code answers are repeats), 2-core EPYC, two runs each: auto 1.32-1.47x /
-    # 1.48-1.85x / 1.04-1.05x its plain decoding on code / edit / chat, against 1.19-1.24x /
-    # 1.36-1.45x / 0.99-1.00x with 16. Warm-up times 4 more pass sizes (~5 s).
-    k_max: int = Field(48, ge=1, le=64, description="Largest k the controller may choose, and the longest grammar jump-forward")
+    # 64: on a 2-core CPU a pass over 65 tokens costs ~24x one pass, over 49 ~20x and over 17 ~9x,
+    # so a copy kept whole (an edit, the same question again) gains most from the longest drafts
+    # (llama-server's ngram-mod drafts up to 64 too); the controller's costs and earned lengths keep
+    # everything else short. Bench (--rounds 2: each prompt asked twice, so half the code answers
+    # are repeats), 2-core EPYC, configs taking turns (48, 64, 64, 48): auto 1.36-1.40x / 1.64-1.65x
+    # / 0.94-0.99x its plain decoding on code / edit / chat, against 1.24-1.36x / 1.54-1.56x /
+    # 0.88-1.01x with 48; the repeated round alone 2.22-2.48x / 2.28-2.41x against 1.98-2.21x /
+    # 2.03-2.14x. (48 against 16 earlier: 1.32-1.47x / 1.48-1.85x against 1.19-1.24x / 1.36-1.45x.)
+    k_max: int = Field(64, ge=1, le=64, description="Largest k the controller may choose, and the longest grammar jump-forward")
     ngram: NgramConfig = NgramConfig()
     controller: ControllerConfig = ControllerConfig()
 
