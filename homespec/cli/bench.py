@@ -107,6 +107,20 @@ def _ceilings(calibration: dict[str, dict[str, float]]) -> str:
     return ", ".join(parts)
 
 
+def _by_round(rows: list, plain) -> str:  # rows: bench.ArmResult
+    """tok/s (and ÷ off) of each arm with each prompt asked the first time and asked again: the
+    two say different things (a memory of answers drafts the repeats whole), so neither hides in
+    the mean."""
+    def at(r, i: int) -> str:
+        t, base = r.round_tok_s(i), plain.round_tok_s(i)
+        ratio = f" ({t / base:.2f}x)" if t and base and r is not plain else ""
+        return f"{_f(t, '.1f')}{ratio}"
+
+    again = range(1, len(plain.by_round))
+    parts = [f"{r.arm} {at(r, 0)} / " + " / ".join(at(r, i) for i in again) for r in rows if r.by_round]
+    return "asked first / again, tok/s (÷ off): " + "; ".join(parts)
+
+
 def format_report(report) -> str:  # report: bench.BenchReport
     c = report.config
     cal = report.calibration.get("target", {})
@@ -149,6 +163,8 @@ def format_report(report) -> str:  # report: bench.BenchReport
                 f"jump-forward: {jump.forced_tokens / jump.tokens:.0%} of the output came as the grammar's forced tokens "
                 f"(speedup {_f(jump.speedup, '.2f')}x alone){in_auto}"
             )
+        if plain is not None and len(plain.by_round) > 1:
+            lines.append(_by_round(rows, plain))
         peers = [r for r in rows if r.arm.startswith("ls ") and r.tok_s]
         if peers:
             best = max(peers, key=lambda r: r.tok_s)

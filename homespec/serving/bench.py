@@ -162,6 +162,9 @@ class ArmResult:
     accepted: int = 0
     tally: StepTally = field(default_factory=StepTally)
     expected_gain: float | None = None
+    # [round] [decode tokens, decode seconds]: round 0 asks each prompt for the first time, later
+    # rounds ask it again (an arm with a memory of answers drafts its own earlier answer there).
+    by_round: list[list[float]] = field(default_factory=list)
     # Filled in by finish():
     tok_s: float | None = None  # decode tokens/s (after the first token)
     e2e_tok_s: float | None = None  # completion tokens / whole generation time
@@ -171,12 +174,16 @@ class ArmResult:
     draft_ms: float | None = None  # per step
     verify_ms: float | None = None  # per step
 
-    def add(self, run: Run, plain_text: str | None) -> None:
+    def add(self, run: Run, plain_text: str | None, round_no: int = 0) -> None:
         self.runs += 1
         self.tokens += run.tokens
         self.seconds += run.seconds
         self.decode_tokens += max(run.tokens - 1, 0)
         self.decode_s += run.seconds - run.ttft_s
+        while len(self.by_round) <= round_no:
+            self.by_round.append([0.0, 0.0])
+        self.by_round[round_no][0] += max(run.tokens - 1, 0)
+        self.by_round[round_no][1] += run.seconds - run.ttft_s
         self.ttft_s.append(run.ttft_s)
         self.rss_mib = max(self.rss_mib, run.rss_mib)
         self.same_as_plain += plain_text is not None and run.text == plain_text
@@ -185,6 +192,13 @@ class ArmResult:
         for s in run.steps:
             self.tally.add(s)
             self.forced_tokens += s.accepted if s.proposer == FORCED else 0
+
+    def round_tok_s(self, round_no: int) -> float | None:
+        """Decode tokens/s of the runs in one round (0: each prompt asked for the first time)."""
+        if round_no >= len(self.by_round):
+            return None
+        tokens, seconds = self.by_round[round_no]
+        return tokens / seconds if seconds > 0 else None
 
     def finish(self, plain_tok_s: float | None) -> None:
         t = self.tally
@@ -324,7 +338,7 @@ def run_bench(
             plain_text = runs[OFF].text if OFF in runs else None  # the baseline arm, by name
             for arm in (a for a in arms if a.name in runs):
                 run, r = runs[arm.name], by_arm[arm.name]
-                r.add(run, plain_text if arm.name != OFF else None)
+                r.add(run, plain_text if arm.name != OFF else None, n // len(prompts))
                 if run.expected_gain is not None:
                     r.expected_gain = run.expected_gain if r.expected_gain is None else (r.expected_gain * (r.runs - 1) + run.expected_gain) / r.runs
         prefill[wl.name] = prefill_tokens / prefill_s if prefill_s else 0.0

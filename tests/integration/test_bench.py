@@ -52,6 +52,8 @@ def test_bench_runs_every_arm_on_every_prompt_and_reports_speedups_against_plain
     text = format_report(report)
     assert "== edit" in text and "ngram k=2" in text and "create_completion" in text
     assert "ceiling, every drafted token accepted: ngram " in text
+    assert "asked first / again, tok/s (÷ off): off " in text  # two rounds: the repeats apart
+    assert all(len(r.by_round) == 2 and r.by_round[1][0] == 14 for r in rows.values())  # 2 prompts x 7 decode tokens
     assert report.calibration["target"] and report.prefill["edit"] > 0
 
 

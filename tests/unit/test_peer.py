@@ -107,6 +107,20 @@ def test_a_peer_arms_acceptance_comes_from_its_draft_counts() -> None:
     assert Arm("ls plain", PEER).mode == PEER
 
 
+def test_the_report_gives_prompts_asked_first_and_asked_again_apart() -> None:
+    from homespec.cli.bench import _by_round
+
+    off, auto = ArmResult("off", "code"), ArmResult("auto", "code")
+    for rnd in (0, 1):
+        off.add(Run(tokens=11, seconds=2.2, ttft_s=0.2, text="x"), None, rnd)  # 5 tok/s both rounds
+    auto.add(Run(tokens=11, seconds=2.7, ttft_s=0.2, text="x"), "x", 0)  # 4 tok/s asked first
+    auto.add(Run(tokens=11, seconds=1.2, ttft_s=0.2, text="x"), "x", 1)  # 10 tok/s asked again
+    assert auto.round_tok_s(0) == pytest.approx(4.0) and auto.round_tok_s(1) == pytest.approx(10.0)
+    assert auto.round_tok_s(2) is None
+    line = _by_round([off, auto], off)
+    assert line == "asked first / again, tok/s (÷ off): off 5.0 / 5.0; auto 4.0 (0.80x) / 10.0 (2.00x)"
+
+
 def test_a_peer_build_is_cached_per_source_options_and_machine(tmp_path: Path) -> None:
     avx2 = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF"
     avx512 = "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
