@@ -12,14 +12,15 @@ Each finished greedy generation leaves its answer here with the last TAIL tokens
 (what leads into the answer: the end of the question and the chat template's turn marker) and a
 hash of its whole prompt and of what else shaped the answer (a tool call's grammar, a logit bias:
 Home Assistant asks the same tool-calling question with the same tools again, and is told the
-same call). A sampled answer is not kept: the next draw says something else. A lookup first asks whether this very prompt was answered before and
-this answer has so far said what that one did (the same question again: `Recall.same_question`,
-found by the hash and confirmed by comparing back); else it takes the context's last n tokens for
-n in KEY_NS, longest first, finds where they were last followed by something, and measures the
-match back as far as MATCH_CAP tokens, as the per-request index does. A long match of that kind
-is not the same question: an editor's completion at the same cursor in a changed file, or a long
-system prompt shared by different questions, end alike and are answered differently. Entries
-never run into each other (a separator no token equals lies between).
+same call). A sampled answer is not kept: the next draw says something else. A lookup first asks
+whether this very prompt was answered before and this answer has so far said what that one did
+(the same question again: `Recall.same_question`, found by the hash and confirmed by comparing
+back); else it takes the context's last n tokens for n in KEY_NS, longest first, finds where they
+were last followed by something, and measures the match back as far as MATCH_CAP tokens, as the
+per-request index does. A long match of that kind is not the same question: an editor's
+completion at the same cursor in a changed file, or a long system prompt shared by different
+questions, end alike and are answered differently. Entries never run into each other (a
+separator no token equals lies between).
 
 Bounded: at most `capacity` tokens; past it the oldest half of the entries is dropped and the
 rest re-indexed (~5 ms per 10k tokens measured on a 2-core EPYC, once per capacity/2 tokens remembered). Memory: ~80
