@@ -692,6 +692,8 @@ class Daemon:
         vm = psutil.virtual_memory()
         self.metrics.ram_available.set(vm.available)
         self.metrics.ram_reserve.set(self.cfg.memory.reserve_mib * 2**20)
+        memory = session.ngram_memory if session is not None else None
+        self.metrics.answer_memory_tokens.set(len(memory) if memory is not None else 0)
         if v is not None:
             if v.effective_tps:
                 self.metrics.tokens_per_second.set(v.effective_tps)

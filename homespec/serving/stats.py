@@ -203,6 +203,9 @@ class Metrics:
         )
         self.speedup = Gauge("homespec_speedup", "Live tokens/s over the plain baseline", registry=r)
         self.draft_k = Gauge("homespec_spec_decode_k", "Draft length the controller chose last", registry=r)
+        self.answer_memory_tokens = Gauge(
+            "homespec_answer_memory_tokens", "Tokens of earlier answers prompt lookup drafts from", registry=r
+        )
 
     def observe_step(self, step: StepStats) -> None:
         self.steps.labels(step.proposer, str(step.k)).inc()

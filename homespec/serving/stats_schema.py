@@ -65,6 +65,15 @@ class SpeculationView(BaseModel):
     draft_share: float | None = None  # drafting / (drafting + verifying) time, 0..1
     chosen: dict[str, int] = Field(default_factory=dict)  # "ngram:4" -> steps (rolling window)
     probes: int = 0
+    answer_memory: AnswerMemoryView | None = None  # None: off (memory_tokens 0) or no model loaded
+
+
+class AnswerMemoryView(BaseModel):
+    """Prompt lookup's memory of earlier answers (speculation.ngram.memory_tokens)."""
+
+    answers: int = 0  # answers held
+    tokens: int = 0  # their tokens (with each one's prompt tail and a separator)
+    capacity: int = 0  # tokens at most; past it the oldest half is forgotten
 
 
 class MemoryView(BaseModel):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import psutil
 
 from homespec.serving.daemon import Daemon
+from homespec.speculation.proposers.ngram_memory import NgramMemory
 from homespec.serving.stats_schema import (
+    AnswerMemoryView,
     DeviceView,
     MemoryView,
     ModelInfo,
@@ -58,6 +60,7 @@ def build_stats_view(d: Daemon, address: str = "") -> StatsView:
             draft_share=snap.draft_share,
             chosen=snap.chosen,
             probes=view.probes if view else 0,
+            answer_memory=_answer_memory(session.ngram_memory) if session else None,
         ),
         memory=_memory(d),
         queue=QueueView(running=running, waiting=waiting, max_waiting=d.cfg.server.queue_depth,
@@ -72,6 +75,12 @@ def build_stats_view(d: Daemon, address: str = "") -> StatsView:
             **_saved_states(d),
         ),
     )
+
+
+def _answer_memory(memory: NgramMemory | None) -> AnswerMemoryView | None:
+    if memory is None:
+        return None
+    return AnswerMemoryView(answers=memory.answers, tokens=len(memory), capacity=memory.capacity)
 
 
 def _models(d: Daemon) -> ModelsView:

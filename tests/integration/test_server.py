@@ -256,6 +256,8 @@ def test_the_same_question_again_drafts_the_remembered_answer_and_says_the_same(
     n = again.usage.completion_tokens
     assert a["accepted"] >= (n - 1) * 8 / 9 - 9, (f, a, n)
     assert a["steps"] < f["steps"], (f, a)
+    held = stats(served).speculation.answer_memory  # what the memory holds shows in the stats
+    assert held is not None and held.answers >= 1 and n < held.tokens <= held.capacity, held
 
 
 # -- bad input: the right 4xx with an OpenAI error object, then a normal answer -------------------

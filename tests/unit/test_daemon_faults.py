@@ -19,6 +19,7 @@ from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
 from homespec.serving.host import GenerationRequest
 from homespec.speculation.batch import Batch
 from homespec.speculation.engine import Event, GenerationStats
+from homespec.speculation.proposers.ngram_memory import NgramMemory
 
 WAIT_S = 20.0  # seconds: an upper bound for the worker thread to get somewhere, not a timing check
 
@@ -37,6 +38,7 @@ class FakeHost:
         self.controller = SimpleNamespace(view=view or SimpleNamespace(baseline_tps=None, effective_tps=None, speedup=None, k=0))
         self.warmup_s = 0.0
         self.closed = False
+        self.ngram_memory: NgramMemory | None = None  # prompt lookup's memory of answers (off)
 
     def warmup(self) -> None:
         pass
@@ -168,10 +170,13 @@ def test_ticker_reads_the_session_once_so_an_unload_between_reads_is_harmless(mo
     view = SimpleNamespace(baseline_tps=10.0, effective_tps=12.0, speedup=1.2, k=3)
     d = RacingDaemon(Config(), opener=lambda c, **kw: FakeHost())
     host = FakeHost(view)
+    host.ngram_memory = NgramMemory(4096)
+    host.ngram_memory.add(list(range(20)), 10)  # an answer of 10 tokens after a prompt of 10
     RacingDaemon.script = [host, host, host, None]  # the 4th read (if any) sees the unload
     fake_time(monkeypatch, d, rounds=1)
     d._tick()  # before the fix: AttributeError, which killed the ticker thread
     assert d.metrics.registry.get_sample_value("homespec_spec_decode_k") == 3
+    assert d.metrics.registry.get_sample_value("homespec_answer_memory_tokens") == 21  # with its separator
 
 
 def test_ticker_survives_errors_and_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

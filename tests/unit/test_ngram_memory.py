@@ -32,6 +32,7 @@ def test_a_draft_stops_where_the_remembered_answer_ended_and_never_runs_into_the
     mem = NgramMemory(1000)
     mem.add(QUESTION + ANSWER, len(QUESTION))
     mem.add([50, 51, 52, 53, 54] + [60, 61], 5)
+    assert mem.answers == 2 and len(mem) == (48 + 12 + 1) + (5 + 2 + 1)  # each with its prompt's tail and a separator
     tokens = mem.lookup(QUESTION + ANSWER[:-2], 16, MATCH_CAP).tokens
     assert tokens == ANSWER[-2:]
 

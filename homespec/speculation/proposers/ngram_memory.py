@@ -90,6 +90,12 @@ class NgramMemory:
         with self._lock:
             return len(self._tokens)
 
+    @property
+    def answers(self) -> int:
+        """Answers held (an entry cut to the capacity counts as one)."""
+        with self._lock:
+            return len(self._entries)
+
     def add(self, context: Sequence[int], prompt_len: int, question: int | None = None) -> None:
         """Remember a finished generation: `context` is its prompt (the first prompt_len tokens)
         and its answer; question: the prompt's question_key. A generation that answered nothing
