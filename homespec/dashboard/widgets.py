@@ -261,6 +261,9 @@ class SpeculationBox(Widget):
         lines.append(_row(("steps ", "dim"), " · ".join(f"{key} ×{n}" for key, n in chosen) or "–"))
         lines.append(_row(("proposers ", "dim"), ", ".join(self.stats.models.proposers) or "none",
                           f" · probes {sp.probes}"))
+        if (m := sp.answer_memory) is not None:  # prompt lookup's memory of earlier answers
+            lines.append(_row(("remembered ", "dim"), f"{m.answers} answers · {m.tokens / 1000:.1f}k of "
+                              f"{m.capacity / 1000:.1f}k tokens"))
         return _lines(lines)
 
     @staticmethod

@@ -92,6 +92,7 @@ def scripted_stats() -> StatsView:
                 "acceptance_rate": 0.82, "acceptance_length": 3.1, "per_position": [0.95, 0.88, 0.79, 0.70],
                 "draft_ms_per_step": 71.0, "verify_ms_per_step": 148.0, "draft_share": 0.32,
                 "chosen": {"draft:4": 120, "ngram:2": 30, "off:0": 5},
+                "answer_memory": {"answers": 12, "tokens": 3456, "capacity": 32768},
             },
             "memory": {
                 "ram_total_mib": 7936.0, "ram_available_mib": 2662.4, "reserve_mib": 1024.0,
@@ -326,9 +327,10 @@ async def test_panels_fill_in_after_a_request(daemon):
         assert app.query_one(SpeedupDigits).value == "-.--x"
         assert app.query_one(RequestTable).row_count == 0
 
-        daemon.stats = scripted_stats()  # a client streamed a few requests
+        daemon.stats = scripted_stats()  # a client streamed a few requests, and their answers are remembered
         await until(pilot, lambda: app.query_one(RequestTable).row_count == 5, "the request table")  # 1 running + 4
         figures = ("24.3 tok/s", "17.1 tok/s", "12,345 tokens · 42 served", "acceptance 82%", "length 3.10",
+                   "remembered 12 answers · 3.5k of 32.8k tokens",
                    "best k=4 1.41×", "5.2 GiB of 7.8 GiB used", "headroom 2.6 GiB",
                    "draft unloaded at 18:04", "running 1/4 · waiting 2/8 · 3.5 rows/pass", "slot 2 p+5", "running",
                    "ready · warm", "up 2h 03m")
