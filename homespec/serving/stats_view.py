@@ -5,7 +5,6 @@ from __future__ import annotations
 import psutil
 
 from homespec.serving.daemon import Daemon
-from homespec.speculation.proposers.ngram_memory import NgramMemory
 from homespec.serving.stats_schema import (
     AnswerMemoryView,
     DeviceView,
@@ -18,6 +17,7 @@ from homespec.serving.stats_schema import (
     SpeedView,
     StatsView,
 )
+from homespec.speculation.proposers.ngram_memory import NgramMemory
 
 MiB = 2**20
 

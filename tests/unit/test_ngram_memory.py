@@ -6,8 +6,8 @@ import llguidance
 import numpy as np
 
 from homespec.config import ControllerConfig
-from homespec.speculation.controller import Controller
 from homespec.speculation.constraints import Grammar
+from homespec.speculation.controller import Controller
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats, shaping
 from homespec.speculation.proposers.ngram import MATCH_CAP, NgramProposer
 from homespec.speculation.proposers.ngram_memory import TAIL, NgramMemory, Recall, question_key
