@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """What flash attention costs or saves on this CPU (runtime.flash_attn): the target's prefill
 and its passes of one and more rows (a decode step; verify passes, k = rows - 1: 5 by default,
-17 and 49 for the long drafts of copies) over histories of several lengths, with it off and on. Each setting runs in a process of its own (it is fixed per
-context), the processes alternate, and each starts as the daemon does (huge pages where
-`homespec serve` asks for them).
+17 and 49 for the long drafts of copies) over histories of several lengths, with it off and on.
+Each setting runs in a process of its own (it is fixed per context), the processes alternate,
+and each starts as the daemon does (huge pages where `homespec serve` asks for them).
 
     .venv/bin/python scripts/flash_attn_cost.py [--rounds 2] [--depths 300,1000,2000,3000] [--rows 1,5,17,49]
 """

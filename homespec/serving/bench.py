@@ -175,15 +175,16 @@ class ArmResult:
     verify_ms: float | None = None  # per step
 
     def add(self, run: Run, plain_text: str | None, round_no: int = 0) -> None:
+        decode_tokens, decode_s = max(run.tokens - 1, 0), run.seconds - run.ttft_s  # after the first token
         self.runs += 1
         self.tokens += run.tokens
         self.seconds += run.seconds
-        self.decode_tokens += max(run.tokens - 1, 0)
-        self.decode_s += run.seconds - run.ttft_s
+        self.decode_tokens += decode_tokens
+        self.decode_s += decode_s
         while len(self.by_round) <= round_no:
             self.by_round.append([0.0, 0.0])
-        self.by_round[round_no][0] += max(run.tokens - 1, 0)
-        self.by_round[round_no][1] += run.seconds - run.ttft_s
+        self.by_round[round_no][0] += decode_tokens
+        self.by_round[round_no][1] += decode_s
         self.ttft_s.append(run.ttft_s)
         self.rss_mib = max(self.rss_mib, run.rss_mib)
         self.same_as_plain += plain_text is not None and run.text == plain_text
