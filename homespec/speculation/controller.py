@@ -175,7 +175,9 @@ class Controller:
         # past one request's k_max + 1, and its timings would otherwise move a lone request's
         # curve (plain decoding's baseline with it).
         self.shared = CostModel(SHARED_ROWS * (k_max + 1), cfg.cost_ewma)
-        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior)
+        # A greedy answer to the same question is left at a near-tie, as likely at position 40 as
+        # at 4: one rate for all positions (AcceptanceModel's pooled keys).
+        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=lambda key: key.repeat and not key.sampled)
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
         self.step_no = 0
         self.last_tried: dict[str, int] = {}  # proposer -> step it was last chosen or probed

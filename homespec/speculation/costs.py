@@ -141,13 +141,26 @@ class AcceptanceModel:
     position 1 towards the prior. A rarely tested deep position thus inherits its shallower
     neighbour's rate instead of a fixed prior, so k can grow when every drafted token passes —
     and one unlucky observation cannot pin k down.
+
+    A pooled key (`pooled(key)`) fails by a chance that does not grow with depth (a greedy answer
+    given again leaves the remembered one at a near-tie, wherever that falls), so no position's
+    rate falls below the key's rate over every position it tested. Per position alone, one
+    failure at position 8 pinned a_8 while the later drafts it kept short never tested position
+    8 again: after one chat answer asked again, every later repeat, code's too, was drafted 5
+    tokens at a time, each draft kept whole.
     """
 
     SHRINK = 2.0  # pseudo-observations pulling a position towards the one before it
 
-    def __init__(self, k_max: int, alpha: float, prior: float | Callable[[Key], float]) -> None:
+    def __init__(
+        self, k_max: int, alpha: float, prior: float | Callable[[Key], float], pooled: Callable[[Key], bool] = lambda key: False
+    ) -> None:
         self.k_max, self.alpha = k_max, alpha
         self.prior = prior if callable(prior) else (lambda key: prior)
+        self.pooled = pooled
+        # pooled keys -> [accepted, tested] over their positions, each step's weight decaying by
+        # alpha per later step (an EWMA of steps, as the positions' means are)
+        self._pool: dict[Key, np.ndarray] = {}
         self._mean: dict[Key, np.ndarray] = {}  # key -> [k_max] observed acceptance
         self._n: dict[Key, np.ndarray] = {}  # key -> [k_max] observations
         # key -> [k_max] rates(key) until its next observation: the controller reads them several
@@ -170,6 +183,10 @@ class AcceptanceModel:
             w = max(alpha or self.alpha, 1.0 / (n[i] + 1))
             mean[i] += w * (float(ok) - mean[i])
             n[i] += 1
+        if self.pooled(key):
+            pool = self._pool.setdefault(key, np.zeros(2))
+            pool *= 1.0 - (alpha or self.alpha)
+            pool += (sum(outcomes[: self.k_max]), len(outcomes[: self.k_max]))
 
     def rates(self, key: Key) -> np.ndarray:
         """[k_max] the shrunk conditional acceptance used for decisions (read-only)."""
@@ -182,6 +199,9 @@ class AcceptanceModel:
         prev = self.prior(key)
         for i in range(self.k_max):
             prev = out[i] = (weight[i] * mean[i] + self.SHRINK * prev) / (weight[i] + self.SHRINK)
+        if self.pooled(key):
+            accepted, tested = self._pool.get(key, (0.0, 0.0))
+            np.maximum(out, (accepted + self.SHRINK * self.prior(key)) / (tested + self.SHRINK), out=out)
         out.flags.writeable = False
         self._rates[key] = out
         return out

@@ -52,3 +52,20 @@ def test_acceptance_rates_follow_each_new_observation_of_their_key():
     assert (after > before).all()
     acc.observe("draft", [False])  # another key's outcomes leave this one's rates alone
     assert acc.rates("ngram") is after
+
+
+def test_no_position_of_a_pooled_key_falls_below_its_rate_over_every_position_it_tested():
+    # One answer said again left the remembered one at its 8th token; three drafts of 4 kept
+    # whole since. Per position, a_8 stays at its one failure, untested by the short drafts.
+    acc = AcceptanceModel(k_max=32, alpha=0.1, prior=0.97, pooled=lambda key: key == "repeat")
+    for key in ("repeat", "phrase"):
+        acc.observe(key, [True] * 7 + [False])
+        for _ in range(3):
+            acc.observe(key, [True] * 4)
+    pooled, per_position = acc.rates("repeat"), acc.rates("phrase")
+    # every step's counts decay by alpha per later step; the prior weighs SHRINK outcomes
+    accepted, tested = 7 * 0.9**3 + 4 * (0.9**2 + 0.9 + 1), 8 * 0.9**3 + 4 * (0.9**2 + 0.9 + 1)
+    floor = (accepted + 2 * 0.97) / (tested + 2)
+    assert per_position[7] < 0.7 < floor
+    assert pooled[7:] == pytest.approx(floor)  # the failed position and those never tested
+    assert pooled[:4].tolist() == per_position[:4].tolist()  # where a position's own record says more, it decides
