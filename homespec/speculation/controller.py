@@ -176,7 +176,7 @@ class Controller:
         # curve (plain decoding's baseline with it).
         self.shared = CostModel(SHARED_ROWS * (k_max + 1), cfg.cost_ewma)
         # A greedy answer to the same question is left at a near-tie, as likely at position 40 as
-        # at 4: one rate for all positions (AcceptanceModel's pooled keys).
+        # at 4: no position's rate below its rate over all positions (AcceptanceModel's pooled keys).
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=lambda key: key.repeat and not key.sampled)
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
         self.step_no = 0
