@@ -9,11 +9,15 @@ client, streaming, greedy, client-side timing:
    TTFT on the idle daemon;
 3. whether each request's text is the same at once as alone;
 4. with --peer: the same N clients at once against llama-server (same llama.cpp, `-np N`, one
-   process per speculative setting, all on the same prompts), interleaved with homespec's rounds.
+   process per speculative setting, all on the same prompts), interleaved with homespec's rounds;
+5. with --bare: the same prompts at once through the engine alone (`Batch` in this process, no
+   HTTP), to tell what the daemon costs from what the engine does.
+
+The servers (and the bare engine) take turns within a round, in an order that turns each round.
 
     .venv/bin/python scripts/parallel_load.py [--config config.yaml] [--clients 4] [--max-tokens 128] [--rounds 2]
         [--context-words 0] [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
-        [--memory]
+        [--memory] [--bare]
 
 The daemon runs without its memory of earlier answers (speculation.ngram.memory_tokens 0) unless
 --memory is given: every round asks the same prompts one at a time and then at once, and with the
@@ -106,6 +110,8 @@ def main() -> None:
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
     ap.add_argument("--peer-settings", default="plain,ngram-simple,ngram-mod,draft")
     ap.add_argument("--memory", action="store_true", help="keep the daemon's memory of earlier answers on")
+    ap.add_argument("--bare", action="store_true",
+                    help="also run the load through the engine's Batch in this process (no HTTP): where a gap lies")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="homespec-parallel-"))
     overrides: dict = {"server": {"parallel": args.clients}}
@@ -115,9 +121,12 @@ def main() -> None:
     peers = ExitStack()
     peer_clients = start_peers(peers, args, config) if args.peer else {}
     proc, url, ready_s = start(config)
+    bare = BareEngine(config, args.clients) if args.bare else None
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
     try:
         prompts = mixed_prompts(args.clients, args.context_words)
+        if bare is not None:
+            bare.prompts([m for _, m in prompts])
         # Every server reads every prompt once first: then no round, and no server, is the one
         # that pays the cold prompts (homespec's prefix cache and llama-server's slots keep them).
         for c in (client, *peer_clients.values()):
@@ -125,12 +134,10 @@ def main() -> None:
                 ask(c, m, 8)
         seq_rates, par_rates, same, total = [], [], 0, 0
         peer_rates: dict[str, list[float]] = {name: [] for name in peer_clients}
-        for r in range(args.rounds):
-            for name, c in peer_clients.items():
-                at_once, par_s = together(c, [(m, args.max_tokens, 0) for _, m in prompts])
-                peer_rates[name].append(sum(a["tokens"] for a in at_once) / par_s)
-                print(f"round {r + 1}: {name} -np {args.clients}, {args.clients} at once {peer_rates[name][-1]:.2f} tok/s "
-                      f"({par_s:.1f} s)", flush=True)
+        bare_rates: list[float] = []
+
+        def homespec_round(r: int) -> None:
+            nonlocal same, total
             t0 = time.perf_counter()
             alone = [ask(client, m, args.max_tokens) for _, m in prompts]
             seq_s = time.perf_counter() - t0
@@ -147,6 +154,23 @@ def main() -> None:
                 print(f"    {kind:5s} alone {a['tokens']:4d} tok ttft {a['ttft']:.2f} s | at once {b['tokens']:4d} tok "
                       f"ttft {b['ttft']:.2f} s | {'same text' if a['text'] == b['text'] else 'text differs'} | "
                       f"steps alone {_steps(a['chosen'])}, at once {_steps(b['chosen'])}")
+
+        def peer_round(r: int, name: str) -> None:
+            at_once, par_s = together(peer_clients[name], [(m, args.max_tokens, 0) for _, m in prompts])
+            peer_rates[name].append(sum(a["tokens"] for a in at_once) / par_s)
+            print(f"round {r + 1}: {name} -np {args.clients}, {args.clients} at once {peer_rates[name][-1]:.2f} tok/s "
+                  f"({par_s:.1f} s)", flush=True)
+
+        def bare_round(r: int) -> None:
+            assert bare is not None
+            bare_rates.append(bare.at_once(args.max_tokens))
+            print(f"round {r + 1}: bare engine, {args.clients} at once {bare_rates[-1]:.2f} tok/s", flush=True)
+
+        arms = [*(lambda r, n=n: peer_round(r, n) for n in peer_clients), homespec_round, *([bare_round] if bare else [])]
+        for r in range(args.rounds):
+            # The order turns each round: the machine's pace drifts by more than the gaps measured.
+            for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+                arm(r)
         if args.rounds:
             print(f"aggregate tokens/s, {args.clients} at once / one at a time: "
                   f"{statistics.mean(par_rates) / statistics.mean(seq_rates):.2f}x (mean of {args.rounds} rounds); "
@@ -155,6 +179,12 @@ def main() -> None:
                 print(f"homespec / {name} -np {args.clients}, {args.clients} at once: "
                       f"{statistics.mean(par_rates):.2f} / {statistics.mean(rates):.2f} tok/s = "
                       f"{statistics.mean(par_rates) / statistics.mean(rates):.2f}x")
+            if bare_rates:
+                print(f"homespec daemon / bare engine, {args.clients} at once: {statistics.mean(par_rates):.2f} / "
+                      f"{statistics.mean(bare_rates):.2f} tok/s = {statistics.mean(par_rates) / statistics.mean(bare_rates):.3f}x")
+                for name, rates in peer_rates.items():
+                    print(f"bare engine / {name} -np {args.clients}: "
+                          f"{statistics.mean(bare_rates) / statistics.mean(rates):.3f}x")
 
         rooms = iter(["kitchen", "hallway", "bedroom", "garage", "office", "porch", "attic", "cellar"])
 
@@ -175,6 +205,45 @@ def main() -> None:
     finally:
         stop(proc)
         peers.close()
+        if bare is not None:
+            bare.close()
+
+
+class BareEngine:
+    """The daemon's engine without the daemon: the same config's models in this process, the
+    prompts run together through `Batch` (speculation/batch.py) with no HTTP, no event loop and
+    no client threads in the way. Against the daemon it shows what serving costs; against
+    llama-server, what the engine does."""
+
+    def __init__(self, config: Path, slots: int) -> None:
+        from homespec.config import load_config
+        from homespec.serving.host import Host
+
+        self.cfg = load_config(config)
+        self.host = Host.open(self.cfg, slots=slots)
+        self.tokens: list[list[int]] = []
+
+    def prompts(self, messages: list[list[dict]]) -> None:
+        self.tokens = [self.host.models.encode_chat(m) for m in messages]
+        self.at_once(8)  # read every prompt once first, as every server does
+
+    def at_once(self, max_tokens: int) -> float:
+        """Output tokens/s of every prompt at once, from the first admission to the last token."""
+        from homespec.serving.host import build_request
+        from homespec.speculation.engine import GenerationStats
+
+        batch = self.host.batch(self.cfg.server.prefill_chunk)
+        req = build_request(self.cfg, max_tokens=max_tokens)
+        stats = [GenerationStats() for _ in self.tokens]
+        t0 = time.perf_counter()
+        for i, toks in enumerate(self.tokens):
+            batch.add(i, self.host.steps(toks, req, i, stats[i]))
+        while len(batch):
+            batch.step(lambda key, event: None)
+        return sum(s.completion_tokens for s in stats) / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.host.close()
 
 
 def start_peers(stack: ExitStack, args: argparse.Namespace, config: Path) -> dict[str, openai.OpenAI]:
