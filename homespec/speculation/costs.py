@@ -179,14 +179,16 @@ class AcceptanceModel:
     def observe(self, key: Key, outcomes: Sequence[bool], alpha: float | None = None) -> None:
         mean, n = self._arrays(key)
         self._rates.pop(key, None)
-        for i, ok in enumerate(outcomes[: self.k_max]):
-            w = max(alpha or self.alpha, 1.0 / (n[i] + 1))
+        alpha = alpha or self.alpha
+        tested = outcomes[: self.k_max]
+        for i, ok in enumerate(tested):
+            w = max(alpha, 1.0 / (n[i] + 1))
             mean[i] += w * (float(ok) - mean[i])
             n[i] += 1
         if self.pooled(key):
             pool = self._pool.setdefault(key, np.zeros(2))
-            pool *= 1.0 - (alpha or self.alpha)
-            pool += (sum(outcomes[: self.k_max]), len(outcomes[: self.k_max]))
+            pool *= 1.0 - alpha
+            pool += (sum(tested), len(tested))
 
     def rates(self, key: Key) -> np.ndarray:
         """[k_max] the shrunk conditional acceptance used for decisions (read-only)."""
