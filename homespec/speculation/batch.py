@@ -11,7 +11,9 @@ beside the running decodes or alone: a 1,000-token prompt takes ~16 s to read on
 one piece it would stall every other request, and any that arrives meanwhile, for that long. Each
 generation is told, with every event, how many rows the others will bring to its next pass
 (`alongside`: decode steps and prompt chunks), so its policy prices its own draft at what it adds
-to the shared pass rather than at a pass of its own (controller.py).
+to the shared pass rather than at a pass of its own (controller.py); and, when every other
+generation in the pass would draft were it alone, what their drafts would bring (`Keen`, from
+each one's last decision), so that all of them may draft together.
 
 Narrow passes (`max_rows`, exact mode): a row's logits are the same in any pass below ggml's
 tiled-matmul threshold (llama/kernels.py), so decode steps share a pass only up to max_rows rows
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from homespec.speculation.engine import Event, Pass, Steps
+from homespec.speculation.engine import Beside, Event, Keen, Pass, Steps
 from homespec.speculation.target import Output, Target
 
 # (target, tokens, output) per part -> logits per part; Runtime.eval_many.
@@ -135,6 +137,9 @@ class Batch:
         # beside a free fourth row would each take it.
         read = {r.key: len(toks) for r, toks, _ in parts}
         planned = {o.key: self._next_rows(o, read.get(o.key, 0)) for o in self._running.values()}
+        # ... and, from each one's last decision, the draft it would make alone (None: it would
+        # not, or it reads a prompt): when all the others would, drafting together may pay.
+        keen = {o.key: self._keen(o, read.get(o.key, 0)) for o in self._running.values()}
         teaches = True  # (see p.timed)
         for (r, toks, _), logits in zip(parts, outs):
             p = r.pending
@@ -153,9 +158,9 @@ class Batch:
             teaches = False
             reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
             r.pending, r.done, r.rows = None, 0, []
-            alongside = sum(n for key, n in planned.items() if key != r.key)
-            self._advance(r, reply, deliver, alongside=alongside)
+            self._advance(r, reply, deliver, self._beside(r.key, planned, keen))
             planned[r.key] = self._next_rows(r) if r.key in self._running else 0
+            keen[r.key] = self._keen(r) if r.key in self._running else None
 
     def _next_rows(self, r: _Running, reading: int = 0) -> int:
         """Rows a generation is expected to bring to the next pass, once `reading` more tokens
@@ -171,6 +176,26 @@ class Batch:
         if left <= 0:
             return 1
         return 0 if self.max_rows is not None else min(left, self.prefill_chunk)
+
+    def _keen(self, r: _Running, reading: int = 0) -> Keen | None:
+        """The draft a generation would make alone in the next pass, from its last decision
+        (Pass.keen): None when it would not, or reads a prompt, or passes are narrow (their
+        drafts are short, and steps that do not fit take turns)."""
+        p = r.pending
+        if p is None or self.max_rows is not None or _is_prefill(p):
+            return None
+        return p.keen
+
+    def _beside(self, key: Hashable, planned: dict[Hashable, int], keen: dict[Hashable, Keen | None]) -> Beside:
+        """What the others bring to a generation's next pass: their rows and, when every one
+        of them would draft alone, their drafts summed."""
+        others = [o for o in planned if o != key and planned[o] > 0]
+        rows = sum(planned[o] for o in others)
+        drafts = [w for w in (keen.get(o) for o in others) if w is not None]
+        if not others or len(drafts) < len(others):
+            return Beside(rows)
+        return Beside(rows, Keen(sum(w.requests for w in drafts), sum(w.rows for w in drafts),
+                                 sum(w.tokens for w in drafts), sum(w.draft_s for w in drafts)))
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and
@@ -242,9 +267,9 @@ class Batch:
             r.waited = 0
         return parts
 
-    def _advance(self, r: _Running, reply: np.ndarray | None, deliver: Deliver, alongside: int = 0) -> None:
+    def _advance(self, r: _Running, reply: np.ndarray | None, deliver: Deliver, beside: Beside = Beside()) -> None:
         """Run a generation from its last pass to its next one, delivering its events."""
-        msg: np.ndarray | int | None = reply
+        msg: np.ndarray | Beside | None = reply
         while True:
             try:
                 item = r.steps.send(msg)
@@ -271,7 +296,7 @@ class Batch:
                 return
             if last:
                 return
-            msg = alongside  # (if `deliver` removed it, it is closed: the next send ends it)
+            msg = beside  # (if `deliver` removed it, it is closed: the next send ends it)
 
 
 def _is_prefill(p: Pass) -> bool:

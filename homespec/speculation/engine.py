@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -88,10 +88,29 @@ class StepStats:
         return self.draft_s + self.verify_s
 
 
+class Keen(NamedTuple):
+    """Drafts that requests would make were each alone (a request's own, or several summed).
+    Beside others, one request's draft does not cut the passes they wait for; only when every
+    request in the pass drafts do the passes get fewer (controller.py, "Together")."""
+
+    requests: int  # how many requests
+    rows: int  # their steps' rows (each step's last token and draft), together
+    tokens: float  # the tokens they expect to keep, bonus tokens included, together
+    draft_s: float = 0.0  # seconds their proposing takes, together
+
+
+class Beside(NamedTuple):
+    """What a batch driver tells a generation of the next pass, besides its own rows."""
+
+    rows: int = 0  # the other requests' rows
+    keen: Keen | None = None  # every other request would draft alone: their drafts, summed
+
+
 @dataclass(frozen=True)
 class Decision:
     proposer: Proposer | None  # None: plain decoding
     k: int
+    keen: Keen | None = None  # the draft this request would make were it alone; None: plain decoding
 
     @property
     def name(self) -> str:
@@ -105,9 +124,10 @@ class SpeculationPolicy(Protocol):
         proposers worth prefilling with it (the others catch up when first used)."""
         ...
 
-    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
         """The next step's proposer and k. alongside: rows other requests bring to the same
-        target pass (batch.py), so that this request's rows cost only what they add."""
+        target pass (batch.py), so that this request's rows cost only what they add; keen:
+        what they would draft, when every one of them would draft alone."""
         ...
 
     def observe(self, step: StepStats) -> None: ...
@@ -145,7 +165,7 @@ class FixedPolicy:
         p = self.decision.proposer
         return [p] if p is not None else []
 
-    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
         return self.decision
 
     def observe(self, step: StepStats) -> None:
@@ -242,6 +262,7 @@ class Pass:
     target: Target
     tokens: list[int]
     output: Output
+    keen: Keen | None = None  # a verify pass: the draft its request would make alone (Decision.keen)
     rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
     seconds: float = 0.0  # set by the driver: how long that decode took
     timed: bool = True  # set by the driver: False when that decode also read prompt chunks
@@ -253,7 +274,7 @@ class Pass:
         return logits
 
 
-Steps = Generator["Event | Pass", "np.ndarray | int | None", None]  # the engine's coroutine
+Steps = Generator["Event | Pass", "np.ndarray | Beside | None", None]  # the engine's coroutine
 
 
 def run_alone(steps: Steps) -> Iterator[Event]:
@@ -322,8 +343,8 @@ class Engine:
         logprobs: int | None = None,
     ) -> Steps:
         """The same generation as a coroutine that yields its target passes (`Pass`: send back
-        the logits) as well as its events (send back the rows other generations bring to the
-        next pass, or None) — for a driver that batches several generations (batch.py)."""
+        the logits) as well as its events (send back what other generations bring to the
+        next pass, `Beside`, or None) — for a driver that batches several generations (batch.py)."""
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.target.n_ctx:
@@ -372,7 +393,8 @@ class Engine:
                     policy.end(ctx)  # begun (after the first token), and the answer its question gets again
                 yield event
                 return
-            alongside = (yield event) or 0
+            beside = (yield event) or Beside()
+            alongside = beside.rows
             if prompt:  # the first token is out: a draft's prefill of the prompt is not in its TTFT
                 left = max_tokens - st.completion_tokens
                 for proposer in policy.begin(prompt, not params.greedy, alongside, tokens_left=left):
@@ -384,9 +406,10 @@ class Engine:
             if forced:  # free drafts; the policy's proposers sit this step out
                 verdict, step = yield from self._step(ctx, None, len(forced), params, rng, grammar, forced)
             else:
-                decision = policy.decide(ctx, alongside)
+                decision = policy.decide(ctx, alongside, beside.keen)
                 k = min(decision.k, budget)
-                verdict, step = yield from self._step(ctx, decision.proposer if k else None, k, params, rng, grammar)
+                verdict, step = yield from self._step(ctx, decision.proposer if k else None, k, params, rng, grammar,
+                                                      keen=decision.keen)
             policy.observe(step)
             st.add(step)
             lps = None
@@ -405,9 +428,11 @@ class Engine:
         rng: np.random.Generator,
         grammar: Grammar | None = None,
         forced: Sequence[int] = (),
+        keen: Keen | None = None,
     ) -> Generator[Pass, np.ndarray, tuple[Verdict, StepStats]]:
         """One speculative step over ctx (not modified here); k = 0 or no proposer: plain.
-        forced: the grammar's jump-forward tokens, verified in place of a proposal."""
+        forced: the grammar's jump-forward tokens, verified in place of a proposal; keen: what
+        the pass tells the batch driver (Pass.keen)."""
         if forced:
             proposal, name = Proposal(list(forced)), FORCED
         else:
@@ -418,7 +443,7 @@ class Engine:
             # Only an unseeded sampled draft with a real q must keep its first invalid token.
             d = grammar.cut(d, keep_first_invalid=not params.greedy and params.seed is None and proposal.q is not None)
         t0 = time.perf_counter()
-        verify = Pass(self.target, [ctx[-1], *d], "all")
+        verify = Pass(self.target, [ctx[-1], *d], "all", keen)
         logits = yield verify  # [len(d) + 1, vocab]
         if grammar is not None:
             logits = apply_masks(logits, grammar.masks(d))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from homespec.speculation.batch import Batch
-from homespec.speculation.engine import Decision, Engine, Event, FixedPolicy, GenerationStats, Steps, StepStats
+from homespec.speculation.engine import Decision, Engine, Event, FixedPolicy, GenerationStats, Keen, Steps, StepStats
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
@@ -267,11 +267,13 @@ class Recorder(FixedPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.alongside: list[int] = []
+        self.keen: list[Keen | None] = []
         self.timed: list[bool] = []
 
-    def decide(self, context, alongside=0):
+    def decide(self, context, alongside=0, keen=None):
         self.alongside.append(alongside)
-        return super().decide(context, alongside)
+        self.keen.append(keen)
+        return super().decide(context, alongside, keen)
 
     def observe(self, step) -> None:
         self.timed.append(step.timed)
@@ -295,6 +297,44 @@ def test_the_rows_beside_a_request_count_other_decodes_and_the_next_prompt_chunk
     assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost
 
 
+class Eager(Recorder):
+    """Decodes plainly, but tells the others it would draft `wish` were it alone."""
+
+    def __init__(self, wish: Keen) -> None:
+        super().__init__()
+        self.wish = wish
+
+    def decide(self, context, alongside=0, keen=None):
+        super().decide(context, alongside, keen)
+        return Decision(None, 0, self.wish)
+
+
+def test_a_request_hears_of_the_others_drafts_only_when_every_other_request_would_draft() -> None:
+    """Drafting together pays only if all in the pass draft (controller.py, "Together"): a
+    request is told the others' drafts, summed, when each of them would draft alone, and not
+    while one of them would not, or reads its prompt, or passes are narrow."""
+    rt = FakeRuntime(n_seq=4, n_ctx=1024)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    a, b, c = Recorder(), Eager(Keen(1, 9, 7.5)), Eager(Keen(1, 5, 3.0, 0.01))
+    for key, policy in (("a", a), ("b", b), ("c", c)):
+        batch.add(key, Engine(rt.slot("abc".index(key))).steps(PROMPTS["abc".index(key)], max_tokens=40, policy=policy))
+    for _ in range(3):
+        round_events(batch)
+    assert a.keen[-1] == Keen(2, 14, 10.5, 0.01)  # b and c would both draft
+    assert b.keen[-1] is None and c.keen[-1] is None  # a would not
+    batch.add("reader", Engine(rt.slot(3)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
+    round_events(batch)
+    assert a.keen[-1] is None  # the reader's prompt chunk is in the next pass
+    d, e = Recorder(), Eager(Keen(1, 3, 2.5))
+    rt2 = FakeRuntime(n_seq=2, n_ctx=1024)
+    narrow = Batch(rt2.eval_many, n_batch=512, prefill_chunk=32, max_rows=7)
+    narrow.add("d", Engine(rt2.slot(0)).steps(PROMPTS[0], max_tokens=40, policy=d))
+    narrow.add("e", Engine(rt2.slot(1)).steps(PROMPTS[1], max_tokens=40, policy=e))
+    for _ in range(6):
+        round_events(narrow)
+    assert d.keen and all(k is None for k in d.keen)
+
+
 def test_a_shared_pass_teaches_the_cost_model_once_not_once_per_request_in_it() -> None:
     rt = FakeRuntime(n_seq=3, n_ctx=1024)
     batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
@@ -314,7 +354,7 @@ class Alternating(FixedPolicy):
         super().__init__(proposer, 3)
         self.rows: list[int] = []
 
-    def decide(self, context, alongside=0):
+    def decide(self, context, alongside=0, keen=None):
         d = self.decision if len(self.rows) % 2 == 0 else Decision(None, 0)
         self.rows.append(d.k + 1)
         return d

@@ -7,7 +7,7 @@ import pytest
 
 from homespec.config import ControllerConfig
 from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
-from homespec.speculation.engine import OFF, StepStats
+from homespec.speculation.engine import OFF, Keen, StepStats
 from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import Match
 
@@ -472,6 +472,33 @@ def test_beside_other_requests_a_draft_pays_only_where_it_makes_this_requests_to
     alone, with_others = beside(cpu_cost, 0.95, 3)
     assert alone > 0 and with_others == 0
     assert beside(lambda n: 0.020, 0.7, 3)[1] > 0
+
+
+def test_requests_that_would_each_draft_alone_draft_together_beside_each_other() -> None:
+    """Beside three requests that decode plainly, a draft accepted 95 % of the time loses on a
+    CPU's linear curve (the test above): their passes happen anyway. When each of the three
+    would draft as well (the same questions asked again at once), the pass of all four drafts
+    beats the pass of four plain rows, and it drafts; not so beside three weak drafts."""
+    m = Machine(cpu_cost, {"ngram": 0.95}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 300)
+    lone = c.decide(m.ctx)
+    assert lone.k > 0 and lone.keen is not None and lone.keen.rows == lone.k + 1  # what it would draft alone
+    assert c.decide(m.ctx, alongside=3).k == 0
+    others = Keen(3, 3 * lone.keen.rows, 3 * lone.keen.tokens)
+    together = c.decide(m.ctx, alongside=sum([1, 1, 1]), keen=others)
+    assert together.k > 0 and "together" in c.view.reason
+    assert together.keen == lone.keen  # it still tells the others what it would draft alone
+    weak = Keen(3, 3 * 3, 3 * 1.2)  # three 2-token drafts that keep 0.2 of a token each
+    assert c.decide(m.ctx, alongside=3, keen=weak).k == 0
+
+
+def test_a_request_that_would_decode_plainly_alone_tells_the_others_so() -> None:
+    m = Machine(cpu_cost, {"ngram": 0.1}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 300)
+    d = c.decide(m.ctx, alongside=3, keen=Keen(3, 60, 45.0))
+    assert d.k == 0 and d.keen is None
 
 
 def test_beside_other_requests_a_draft_takes_the_rows_a_tiled_kernel_gives_away() -> None:
