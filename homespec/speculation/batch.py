@@ -139,7 +139,7 @@ class Batch:
         planned = {o.key: self._next_rows(o, read.get(o.key, 0)) for o in self._running.values()}
         # ... and, from each one's last decision, the draft it would make alone (None: it would
         # not, or it reads a prompt): when all the others would, drafting together may pay.
-        keen = {o.key: self._keen(o, read.get(o.key, 0)) for o in self._running.values()}
+        keen = {o.key: self._keen(o) for o in self._running.values()}
         teaches = True  # (see p.timed)
         for (r, toks, _), logits in zip(parts, outs):
             p = r.pending
@@ -177,7 +177,7 @@ class Batch:
             return 1
         return 0 if self.max_rows is not None else min(left, self.prefill_chunk)
 
-    def _keen(self, r: _Running, reading: int = 0) -> Keen | None:
+    def _keen(self, r: _Running) -> Keen | None:
         """The draft a generation would make alone in the next pass, from its last decision
         (Pass.keen): None when it would not, or reads a prompt, or passes are narrow (their
         drafts are short, and steps that do not fit take turns)."""
