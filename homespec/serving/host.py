@@ -120,7 +120,8 @@ class Host:
         spec = cfg.speculation
         k_max = min(cfg.k_limit, models.target.n_ctx - 1)
         self.ngram_memory = NgramMemory(spec.ngram.memory_tokens) if spec.ngram.memory_tokens else None
-        self.controller = Controller(build_proposers(cfg, models, memory=self.ngram_memory), spec.controller, k_max=k_max)
+        self.controller = Controller(build_proposers(cfg, models, memory=self.ngram_memory), spec.controller, k_max=k_max,
+                                     together_rows=max(cfg.server.prefill_chunk // 2, 2))
         self.engine = Engine(models.target)
         # Proposer instances of the slots other than 0 (slot 0 uses the controller's registry).
         self._slot_proposers: dict[int, dict[str, Proposer]] = {}

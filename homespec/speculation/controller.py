@@ -166,9 +166,17 @@ class Controller:
         proposers: Sequence[Proposer] = (),
         cfg: ControllerConfig = ControllerConfig(),
         k_max: int = 16,
+        together_rows: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.k_max = k_max
+        # Rows a pass of several requests drafting together may hold (None: no bound). A request
+        # that arrives waits for the pass being run: the daemon keeps that within about what a
+        # prompt chunk holds it (Host: half of server.prefill_chunk's rows, since a verify row,
+        # with its logits, costs up to ~1.8x a prompt row). On a 2-core EPYC four drafts of 64
+        # tokens made a pass of 257 rows and 4.7 s; 4 requests' 65 rows took 1.2-1.3 s, a
+        # 128-token prompt chunk ~1.4 s.
+        self.together_rows = together_rows
         self.cost = CostModel(k_max + 1, cfg.cost_ewma)
         # Passes of several requests, learned apart: such a pass is not one request's pass of as
         # many rows (several histories to attend over, rows spread over sequences), its rows reach
@@ -455,18 +463,26 @@ class Controller:
 
     def _together(self, options: Mapping[str, Option], keen: Keen) -> tuple[Candidate | None, str]:
         """This request's draft when every other request in the pass would draft too (keen:
-        their drafts): the k that makes the pass of all drafts most productive, if that pass
+        their drafts; each request's cut to its share of together_rows): the k that makes the
+        pass of all drafts most productive, if that pass
         beats the pass of all plain rows by min_gain (see "Together" above), and the pass of
         their drafts beside this request's plain row (a weak draft of its own adds more rows
         than tokens)."""
         passes = self._passes()
+        # An equal share of together_rows each: the others' drafts are cut to theirs (their tokens
+        # in proportion), and this request's k to its own.
+        share = self.together_rows // (keen.requests + 1) if self.together_rows else self.k_max + 1  # rows
+        cut = min(1.0, keen.requests * share / keen.rows)
+        rows, tokens = round(keen.rows * cut), keen.tokens * cut  # the others' drafts, cut
         plain_rate = (1 + keen.requests) / passes.verify(1 + keen.requests)
-        best, best_rate = None, (1 + keen.tokens) / (passes.verify(keen.rows + 1) + keen.draft_s)
+        best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + keen.draft_s)
         for p, o in options.items():
-            ks = np.arange(1, o.k + 1)
+            ks = np.arange(1, min(o.k, share - 1) + 1)
+            if not ks.size:
+                continue
             emitted = self.acc.expected_emitted(o.key)  # [k_max + 1]
-            seconds = passes.verify(keen.rows + ks + 1) + keen.draft_s + self.cost.propose(p, ks) + o.switch_s
-            rates = (emitted[ks] + keen.tokens) / seconds  # [len(ks)] tokens/s of the whole pass
+            seconds = passes.verify(rows + ks + 1) + keen.draft_s + self.cost.propose(p, ks) + o.switch_s
+            rates = (emitted[ks] + tokens) / seconds  # [len(ks)] tokens/s of the whole pass
             i = int(np.argmax(rates))
             if rates[i] > best_rate:
                 best, best_rate = self._candidate(p, int(ks[i]), emitted, o.switch_s), float(rates[i])

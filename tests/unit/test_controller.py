@@ -493,6 +493,18 @@ def test_requests_that_would_each_draft_alone_draft_together_beside_each_other()
     assert c.decide(m.ctx, alongside=3, keen=weak).k == 0
 
 
+def test_a_pass_of_drafts_together_holds_at_most_together_rows() -> None:
+    """A request that arrives waits for the pass being run: four drafting together take a
+    quarter of together_rows each, whatever the others would draft alone."""
+    m = Machine(gpu_cost, {"ngram": 1.0}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 100)
+    assert c.decide(m.ctx, alongside=3, keen=Keen(3, 3 * 17, 3 * 17.0)).k == 16  # k_max: no bound
+    c.together_rows = 32
+    d = c.decide(m.ctx, alongside=3, keen=Keen(3, 3 * 17, 3 * 17.0))
+    assert "together" in c.view.reason and d.k == 32 // 4 - 1
+
+
 def test_a_request_that_would_decode_plainly_alone_tells_the_others_so() -> None:
     m = Machine(cpu_cost, {"ngram": 0.1}, seed=3)
     c = m.controller(proposers=("ngram",))
