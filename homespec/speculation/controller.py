@@ -448,7 +448,8 @@ class Controller:
     # of all their drafts, (E[emitted | k] + others' tokens) / t(others' rows + k + 1), against
     # the pass of all plain rows, (1 + n) / t(1 + n). Measured on a 2-core EPYC (four repeated
     # questions at once): each priced alone, the first drafted and the other three then decoded
-    # ~120 passes of 3 plain rows (~100 ms each) rather than one pass of ~190.
+    # ~120 passes of 3 plain rows (~100 ms each) rather than one pass of ~190. Such a pass is
+    # bounded (together_rows), as a prompt chunk is, for the requests that arrive meanwhile.
 
     def _alone(self, options: Mapping[str, Option]) -> Candidate | None:
         """The draft this request would make were it alone (None: it would decode plainly)."""
@@ -464,10 +465,9 @@ class Controller:
     def _together(self, options: Mapping[str, Option], keen: Keen) -> tuple[Candidate | None, str]:
         """This request's draft when every other request in the pass would draft too (keen:
         their drafts; each request's cut to its share of together_rows): the k that makes the
-        pass of all drafts most productive, if that pass
-        beats the pass of all plain rows by min_gain (see "Together" above), and the pass of
-        their drafts beside this request's plain row (a weak draft of its own adds more rows
-        than tokens)."""
+        pass of all drafts most productive, if that pass beats the pass of all plain rows by
+        min_gain (see "Together" above) and the pass of their drafts beside this request's
+        plain row (a weak draft of its own adds more rows than tokens)."""
         passes = self._passes()
         # An equal share of together_rows each: the others' drafts are cut to theirs (their tokens
         # in proportion), and this request's k to its own.
