@@ -1,0 +1,79 @@
+"""Drafting together on the real target (controller.py, "Together"): requests that would each
+draft alone, beside each other, draft in the same pass rather than one drafting while the others
+decode plainly."""
+
+from __future__ import annotations
+
+import pytest
+
+from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, SpeculationConfig
+from homespec.serving.host import Host, build_request
+from homespec.speculation.engine import GenerationStats
+from tests.conftest import ROOT, TARGET, require
+
+pytestmark = pytest.mark.integration
+
+FILES = [
+    "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n",
+    "def greet(name):\n    return f'Hello, {name}!'\n\n\ndef shout(text):\n    return text.upper() + '!'\n",
+    "def mean(xs):\n    return sum(xs) / len(xs)\n\n\ndef spread(xs):\n    return max(xs) - min(xs)\n",
+    "def is_even(n):\n    return n % 2 == 0\n\n\ndef halve(n):\n    return n // 2\n",
+]
+# Copies: every answer token is far from a near-tie, so the answer asked again at once is the
+# answer given alone, and each request's draft of it stays worth drafting.
+QUESTIONS = [f"Return this file unchanged:\n```python\n{f}```" for f in FILES]
+
+
+def test_the_same_questions_asked_again_at_once_draft_their_answers_together() -> None:
+    """Asked alone first, each greedy answer is remembered (speculation.ngram.memory_tokens);
+    asked again at once, each would draft its remembered answer alone, so all four draft in one
+    pass, each within its share of the bound on such a pass. (Priced one at a time, beside
+    others' plain rows, one of them drafted and the rest decoded plainly on a 2-core CPU.)"""
+    cfg = Config(
+        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None),
+        runtime=RuntimeConfig(n_ctx=1024, n_batch=256),
+        speculation=SpeculationConfig(k_max=32),
+        base_dir=ROOT,
+    )
+    with Host.open(cfg, slots=len(QUESTIONS)) as host:
+        prompts = [host.models.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+        req = build_request(cfg, max_tokens=64)
+        passes: list[list[int]] = []  # per pass of several requests: each one's rows
+        eval_many = host.models.target.eval_many
+
+        def recording(parts):
+            passes.append([len(toks) for _, toks, _ in parts])
+            return eval_many(parts)
+
+        reasons: list[str] = []
+        decide = host.controller.decide
+
+        def noting(*args, **kwargs):
+            d = decide(*args, **kwargs)
+            reasons.append(host.controller.view.reason)
+            return d
+
+        host.models.target.eval_many = recording  # type: ignore[method-assign]
+        host.controller.decide = noting  # type: ignore[method-assign]
+
+        def run(keys: list[int]) -> dict[int, GenerationStats]:
+            batch = host.batch(cfg.server.prefill_chunk)
+            stats = {i: GenerationStats() for i in keys}
+            for i in keys:
+                batch.add(i, host.steps(prompts[i], req, i, stats[i]))
+            while len(batch):
+                batch.step(lambda key, event: None)
+            return stats
+
+        for i in range(len(prompts)):
+            run([i])
+        passes.clear()
+        together = run(list(range(len(QUESTIONS))))
+
+    # (a request that leaves its remembered answer at a near-tie all the same stops drafting)
+    drafted_together = [rows for rows in passes if sum(n > 1 for n in rows) >= len(QUESTIONS) - 1]
+    assert drafted_together, f"no pass held the drafts of {len(QUESTIONS) - 1} requests or more: {passes}"
+    share = cfg.server.prefill_chunk // 2 // len(QUESTIONS)  # Host: half a prompt chunk's rows, shared
+    assert all(max(rows) <= share for rows in drafted_together)
+    assert any("together" in r for r in reasons)
+    assert all(s.completion_tokens == 64 or s.finish_reason == "stop" for s in together.values())
