@@ -16,7 +16,7 @@ client, streaming, greedy, client-side timing:
 The servers (and the bare engine) take turns within a round, in an order that turns each round.
 
     .venv/bin/python scripts/parallel_load.py [--config config.yaml] [--clients 4] [--max-tokens 128] [--rounds 2]
-        [--context-words 0] [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
+        [--context-words 0] [--mix code,edit,chat] [--peer] [--peer-bin PATH] [--peer-settings plain,ngram-simple,ngram-mod,draft]
         [--memory] [--bare]
 
 The daemon runs without its memory of earlier answers (speculation.ngram.memory_tokens 0) unless
@@ -45,19 +45,20 @@ from local_daemon import start, stop, write_config
 from homespec.serving.bench import load_workloads
 
 
-def mixed_prompts(n: int, context_words: int = 0) -> list[tuple[str, list[dict]]]:
-    """n chat prompts, taking code, edit and chat in turn; with context_words, each opens with
-    that many words of a household manual of its own (as an assistant's retrieved documents or a
-    long system prompt would), so that every request decodes beside long histories."""
-    loads = {w.name: [p for p in w.prompts if p.messages] for w in load_workloads(("code", "edit", "chat"))}
-    names = list(loads)
+def mixed_prompts(n: int, context_words: int = 0, mix: tuple[str, ...] = ("code", "edit", "chat")) -> list[tuple[str, list[dict]]]:
+    """n chat prompts of the bench's workloads in `mix`, taken in turn (each workload's prompts
+    in order, again from its first when they run out); with context_words, each opens with that
+    many words of a household manual of its own (as an assistant's retrieved documents or a long
+    system prompt would), so that every request decodes beside long histories."""
+    loads = {w.name: [p for p in w.prompts if p.messages] for w in load_workloads(mix)}
     out = []
     for i in range(n):
-        messages = [dict(m) for m in loads[names[i % 3]][i // 3].messages]
+        name = mix[i % len(mix)]
+        messages = [dict(m) for m in loads[name][(i // len(mix)) % len(loads[name])].messages]
         if context_words:
             words = (BODY * (context_words // 40 + 60)).split()[37 * i :][:context_words]
             messages[-1]["content"] = f"Household manual, part {i + 1}:\n{' '.join(words)}\n\n{messages[-1]['content']}"
-        out.append((names[i % 3], messages))
+        out.append((name, messages))
     return out
 
 
@@ -106,6 +107,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="0: only the priority TTFT (part 2)")
     ap.add_argument("--context-words", type=int, default=0, help="open each prompt with this many words of its own context")
+    ap.add_argument("--mix", default="code,edit,chat", help="the bench workloads the clients' prompts come from, in turn (edit: edits side by side)")
     ap.add_argument("--peer", action="store_true", help="also run the load against llama-server -np N")
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
     ap.add_argument("--peer-settings", default="plain,ngram-simple,ngram-mod,draft")
@@ -124,7 +126,7 @@ def main() -> None:
     bare = BareEngine(config, args.clients) if args.bare else None
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=900)
     try:
-        prompts = mixed_prompts(args.clients, args.context_words)
+        prompts = mixed_prompts(args.clients, args.context_words, tuple(args.mix.split(",")))
         if bare is not None:
             bare.prompts([m for _, m in prompts])
         # Every server reads every prompt once first: then no round, and no server, is the one
