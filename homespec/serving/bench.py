@@ -244,8 +244,8 @@ class _AutoRecorder:
         self.c.observe(step)
         self.steps.append(step)
 
-    def end(self, context: Sequence[int]) -> None:
-        self.c.end(context)
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
+        self.c.end(context, gaps)
 
 
 def predicted_gain(controller: Controller, proposer: str, k: int, position_acceptance: Sequence[float]) -> float | None:

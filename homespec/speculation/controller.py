@@ -62,9 +62,9 @@ from typing import NamedTuple
 import numpy as np
 
 from homespec.config import ControllerConfig, Mode
-from homespec.speculation.costs import AcceptanceModel, CostModel, expected_emitted
+from homespec.speculation.costs import AcceptanceModel, CostModel, NearTieModel, expected_emitted
 from homespec.speculation.engine import OFF, Decision, FixedPolicy, Keen, SpeculationPolicy, StepStats
-from homespec.speculation.proposers.base import IN_STEP_LAG, Evidence, Proposer
+from homespec.speculation.proposers.base import IN_STEP_LAG, NO_GAPS, Evidence, Proposer
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class Option(NamedTuple):
     key: AcceptanceKey  # what its acceptance is tracked by, under the evidence it offers now
     k: int  # the longest draft it may make (what it has, and what it has earned in this request)
     switch_s: float  # seconds of catching up before it can draft (it sat out), beyond a step's own
+    gaps: np.ndarray = NO_GAPS  # [<= k] the same question's draft: its tokens' argmax gaps (Preview.gaps)
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,8 @@ class Controller:
         # A greedy answer to the same question is left at a near-tie, as likely at position 40 as
         # at 4: no position's rate below its rate over all positions (AcceptanceModel's pooled keys).
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=lambda key: key.repeat and not key.sampled)
+        # ... and where the remembered answer says its near-ties are, by them (_rates).
+        self.ties = NearTieModel()
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
         self.step_no = 0
         self.last_tried: dict[str, int] = {}  # proposer -> step it was last chosen or probed
@@ -307,10 +310,11 @@ class Controller:
             out.append(p)
         return out
 
-    def end(self, context: Sequence[int]) -> None:
-        """The request ended with `context`: its proposers keep what helps later requests."""
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
+        """The request ended with `context` (and its answer's argmax gaps): its proposers keep
+        what helps later requests."""
         for p in self._usable().values():
-            p.end(context)
+            p.end(context, gaps)
 
     def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
         self.step_no += 1
@@ -320,7 +324,7 @@ class Controller:
             return Decision(None, 0)
         plain = self._plain()
         options = self._options(context)
-        best_of = {p: self._best(p, o.k, o.key, switch_s=o.switch_s) for p, o in options.items()}
+        best_of = {p: self._best(p, o.k, o.key, self._rates(o), o.switch_s) for p, o in options.items()}
         best = max([plain, *best_of.values()], key=lambda c: c.rate)
         if best.proposer != OFF and best.rate < self._bar(plain):
             best = plain
@@ -373,6 +377,8 @@ class Controller:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
+            if key.repeat and not key.sampled and len(step.info.gaps):
+                self.ties.observe(step.info.gaps, step.outcomes)
             self.req.earned[step.proposer] = max(self.req.earned.get(step.proposer, 0), step.accepted)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
                 self.explore_s += max(0.0, step.seconds - step.emitted * self.cost.verify(1))
@@ -425,7 +431,7 @@ class Controller:
                 self._shown[name] = preview.evidence
                 lag = p.lag(context)
                 switch_s = self.cost.catchup(name, lag) if lag > IN_STEP_LAG else 0.0
-                out[name] = Option(self._key(name, preview.evidence), min(preview.available, earned), switch_s)
+                out[name] = Option(self._key(name, preview.evidence), min(preview.available, earned), switch_s, preview.gaps)
         return out
 
     # Several requests in one pass (batch.py): the others' `alongside` rows are computed whatever
@@ -456,7 +462,7 @@ class Controller:
         alongside, self.req.alongside = self.req.alongside, 0
         try:
             bar = self._bar(self._plain())
-            drafts = [self._best(p, o.k, o.key, switch_s=o.switch_s) for p, o in options.items()]
+            drafts = [self._best(p, o.k, o.key, self._rates(o), o.switch_s) for p, o in options.items()]
         finally:
             self.req.alongside = alongside
         best = max(drafts, key=lambda c: c.rate, default=None)
@@ -473,15 +479,15 @@ class Controller:
         # in proportion), and this request's k to its own.
         share = self.together_rows // (keen.requests + 1) if self.together_rows else self.k_max + 1  # rows
         cut = min(1.0, keen.requests * share / keen.rows)
-        rows, tokens = round(keen.rows * cut), keen.tokens * cut  # the others' drafts, cut
+        rows, tokens, draft_s = round(keen.rows * cut), keen.tokens * cut, keen.draft_s  # the others' drafts, cut
         plain_rate = (1 + keen.requests) / passes.verify(1 + keen.requests)
-        best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + keen.draft_s)
+        best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + draft_s)
         for p, o in options.items():
             ks = np.arange(1, min(o.k, share - 1) + 1)
             if not ks.size:
                 continue
-            emitted = self.acc.expected_emitted(o.key)  # [k_max + 1]
-            seconds = passes.verify(rows + ks + 1) + keen.draft_s + self.cost.propose(p, ks) + o.switch_s
+            emitted = expected_emitted(self._rates(o))  # [k_max + 1]
+            seconds = passes.verify(rows + ks + 1) + draft_s + self.cost.propose(p, ks) + o.switch_s
             rates = (emitted[ks] + tokens) / seconds  # [len(ks)] tokens/s of the whole pass
             i = int(np.argmax(rates))
             if rates[i] > best_rate:
@@ -526,6 +532,18 @@ class Controller:
         """The cost curve of the pass being decided: one request's, or several requests' (once
         calibrated: a curve set on `cost` alone also prices shared passes)."""
         return self.shared if self.req.alongside and self.shared.calibrated() else self.cost
+
+    def _rates(self, option: Option) -> np.ndarray:
+        """[k_max] the acceptance a_i of the option's draft positions: its key's, except that the
+        same question's draft, greedy, is kept token by token as its near-ties allow
+        (NearTieModel: asked again, a remembered token is rejected only where it flips)."""
+        rates = self.acc.rates(option.key)
+        n = min(len(option.gaps), self.k_max)
+        if not n or not option.key.repeat or option.key.sampled:
+            return rates
+        out = rates.copy()
+        out[:n] = self.ties.keep(option.gaps[:n])
+        return out
 
     def _plain(self) -> Candidate:
         return self._candidate(OFF, 0, np.ones(1))
@@ -577,7 +595,7 @@ class Controller:
         p = min(stale, key=lambda q: (self.last_tried[q], q))  # the longest untried; ties by name
         o = options[p]
         k = min(o.k, 4)  # enough positions to learn from, cheaply
-        probe = self._candidate(p, k, self.acc.expected_emitted(o.key))
+        probe = self._candidate(p, k, expected_emitted(self._rates(o)))
         expected_cost = o.switch_s + max(0.0, probe.seconds - probe.tokens * plain.seconds / plain.tokens)
         if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
@@ -605,8 +623,8 @@ class Controller:
         gains: dict[str, list[float]] = {}
         ks = np.arange(1, self.k_max + 1)
         for p in self.proposers:
-            key = options[p].key if p in options else self._key(p, self._shown.get(p, Evidence()))
-            gains[p] = np.round(self._rate(p, self.acc.expected_emitted(key), ks) / plain.rate, 3).tolist()
+            o = options[p] if p in options else Option(self._key(p, self._shown.get(p, Evidence())), self.k_max, 0.0)
+            gains[p] = np.round(self._rate(p, expected_emitted(self._rates(o)), ks) / plain.rate, 3).tolist()
         v.gains = gains
 
 
@@ -629,9 +647,9 @@ class RequestPolicy:
         self.controller.req = self.state
         self.controller.observe(step)
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         self.controller.req = self.state
-        self.controller.end(context)
+        self.controller.end(context, gaps)
 
 
 class Observed(FixedPolicy):

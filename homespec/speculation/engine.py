@@ -46,6 +46,7 @@ from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer
 from homespec.speculation.sampling import (
     SamplingParams,
     TokenLogprob,
+    argmax_gaps,
     choose,
     make_rng,
     position_keys,
@@ -132,11 +133,12 @@ class SpeculationPolicy(Protocol):
 
     def observe(self, step: StepStats) -> None: ...
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         """The generation ended with `context` (prompt + answer), having begun (it answered more
         than its first token), and its answer is greedy: what a later request with the same
-        prompt and the same shaping (`shaping`) will be told again. The proposers keep what helps
-        later ones (Proposer.end)."""
+        prompt and the same shaping (`shaping`) will be told again. gaps: [len(answer)] each
+        answer token's argmax gap (sampling.argmax_gaps), or () when not known. The proposers
+        keep what helps later ones (Proposer.end)."""
         ...
 
 
@@ -171,9 +173,9 @@ class FixedPolicy:
     def observe(self, step: StepStats) -> None:
         pass
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         if self.decision.proposer is not None:
-            self.decision.proposer.end(context)
+            self.decision.proposer.end(context, gaps)
 
 
 @dataclass
@@ -381,6 +383,9 @@ class Engine:
 
         lps = token_logprobs(logits[:1], params, ctx, [first], top) if top is not None else None
         event = out.emit(ctx, [first], None, lps)
+        # Where the answer was a near-tie (sampling.argmax_gaps), for what remembers it: known for
+        # greedy answers read off the raw rows; None when a bias or penalty shifted them.
+        gaps: list[np.ndarray] | None = [argmax_gaps(logits, event.tokens)] if params.greedy and not params.shifts_logits else None
         if grammar is not None:
             grammar.commit(event.tokens)
         while True:
@@ -389,8 +394,8 @@ class Engine:
             if event.finish_reason is not None:
                 out.finish(event)
                 st.total_s = time.perf_counter() - t_start
-                if not prompt and params.greedy:
-                    policy.end(ctx)  # begun (after the first token), and the answer its question gets again
+                if not prompt and params.greedy:  # begun (after the first token), and the answer its question gets again
+                    policy.end(ctx, np.concatenate(gaps) if gaps is not None else ())
                 yield event
                 return
             beside = (yield event) or Beside()
@@ -416,6 +421,8 @@ class Engine:
             if top is not None and verdict.rows is not None:
                 lps = token_logprobs(verdict.rows, params, ctx, verdict.tokens, top)
             event = out.emit(ctx, verdict.tokens, step, lps)
+            if gaps is not None and verdict.rows is not None:
+                gaps.append(argmax_gaps(verdict.rows, event.tokens))
             if grammar is not None:
                 grammar.commit(event.tokens)
 

@@ -253,6 +253,31 @@ def target_view(
     return np.asarray(rows)
 
 
+def argmax_gaps(logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
+    """[n] float32: how far each greedy token's logit stands above the next best in its row.
+
+    logits: [>= n, vocab], row i the raw (grammar-masked) row that chose tokens[i], its argmax;
+    tokens: [n]. A gap within llama.cpp's batch noise (a row computed in a pass of other rows
+    differs from the same row alone by up to ~0.4-0.8, median ~0.07 on the 2-core CPU) is a
+    near-tie: asked again and verified in passes of other sizes, the answer can take the other
+    token there. inf where the row allows nothing else (a grammar's forced token). ~20 µs a row
+    at 152k vocab: the row is written to in place and restored (no copy)."""
+    n = len(tokens)
+    if not logits.flags.writeable:
+        logits = logits[:n].copy()
+    rows, cols = np.arange(n), np.asarray(tokens, dtype=np.int64)
+    top = logits[rows, cols].copy()  # [n]
+    logits[rows, cols] = -np.inf
+    try:
+        second = logits[:n].max(axis=1)  # [n]
+    finally:
+        logits[rows, cols] = top
+    with np.errstate(invalid="ignore"):
+        gaps = (top - second).astype(np.float32)
+    gaps[~np.isfinite(second)] = np.inf
+    return gaps
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """One emitted token's log-probability under the target (module docstring, "Logprobs")."""

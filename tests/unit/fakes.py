@@ -165,7 +165,7 @@ class ScriptedModel:
     def lag(self, context: Sequence[int]) -> int:
         return self.behind
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         pass
 
     def propose(self, context, k, params, rng):

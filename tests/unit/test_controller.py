@@ -9,7 +9,7 @@ from homespec.config import ControllerConfig
 from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
 from homespec.speculation.engine import OFF, Keen, StepStats
 from homespec.speculation.proposers.base import Evidence, ProposalInfo
-from homespec.speculation.proposers.ngram import Match
+from homespec.speculation.proposers.ngram import MATCH_CAP, Match
 
 from .fakes import ScriptedModel, ScriptedNgram
 
@@ -563,3 +563,24 @@ def test_calibration_times_long_passes_where_the_curve_bends_not_a_line_from_12_
     c.calibrate(lambda n: timed.append(n) or curve(n), passes=1)
     assert timed == [1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49]
     assert c.cost.verify(33) == pytest.approx(curve(33))  # measured, not interpolated
+
+
+def test_the_same_question_again_drafts_as_far_as_its_near_ties_make_worth_it() -> None:
+    # Asked again, a greedy answer leaves the remembered one only where batch noise flips a
+    # near-tie. A remembered answer with clear leads is drafted whole; one with a coin toss at
+    # every 4th token (gaps 0.01 logits) is drafted up to the first, and once such coin tosses
+    # are seen never to flip (exact mode's batch-invariant passes), whole again.
+    m = Machine(epyc_bench_cost, {})
+    c = m.controller(proposers=("ngram",))
+    prompt = [0] * 100
+    c.begin(prompt)
+    clear = np.full(16, 3.0, np.float32)
+    ties = clear.copy()
+    ties[3::4] = 0.01
+    for gaps, k in ((clear, 16), (ties, 3)):
+        c.proposers["ngram"].peek = lambda ctx, k, gaps=gaps: Match([1] * 16, 32, from_memory=True, repeat=True, gaps=gaps)
+        assert c.decide(prompt).k == k
+    info = ProposalInfo(Evidence(MATCH_CAP, from_memory=True, repeat=True), gaps=ties)
+    for _ in range(10):
+        c.observe(StepStats("ngram", 16, 16, 16, 0.0, epyc_bench_cost(17), (True,) * 16, info))
+    assert c.decide(prompt).k == 16

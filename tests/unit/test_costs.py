@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.speculation.costs import AcceptanceModel, CostModel, ceiling
+from homespec.speculation.costs import AcceptanceModel, CostModel, NearTieModel, ceiling
 
 
 def test_on_a_flat_gpu_like_curve_the_ceiling_is_the_longest_draft_accepted_whole():
@@ -69,3 +69,18 @@ def test_no_position_of_a_pooled_key_falls_below_its_rate_over_every_position_it
     assert per_position[7] < 0.7 < floor
     assert pooled[7:] == pytest.approx(floor)  # the failed position and those never tested
     assert pooled[:4].tolist() == per_position[:4].tolist()  # where a position's own record says more, it decides
+
+
+def test_a_near_tie_is_given_again_less_often_than_a_clear_lead_until_seen_otherwise() -> None:
+    gaps = np.array([0.01, 0.07, 0.15, 0.3, 0.6, 3.0, np.inf], np.float32)
+    before = NearTieModel().keep(gaps)
+    assert np.all(np.diff(before) >= 0) and before[0] < 0.6 and before[-2] == 1.0
+    assert before[-1] == before[-2]  # a forced token: nothing else was allowed
+    exact = NearTieModel()
+    for _ in range(30):  # passes that flip nothing (exact mode): coin tosses are given again too
+        exact.observe(np.array([0.01, 0.01, 3.0], np.float32), [True, True, True])
+    assert exact.keep(gaps)[0] > 0.9
+    noisy = NearTieModel()
+    for _ in range(30):  # and where they flip more often than measured here, the estimate follows
+        noisy.observe(np.array([0.01, 3.0], np.float32), [False])
+    assert noisy.keep(gaps)[0] < 0.3 and noisy.keep(gaps)[-1] == before[-1]

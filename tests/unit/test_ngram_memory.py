@@ -280,3 +280,41 @@ def test_every_slot_drafts_from_the_daemons_one_memory_and_the_bench_can_give_ea
     assert slot0.memory is slot1.memory is arm and host._proposers_of(2)["ngram"].memory is arm
     off = Host(Config(speculation={"ngram": {"memory_tokens": 0}}), models)  # type: ignore[arg-type]
     assert off.ngram_memory is None and off.controller.proposers["ngram"].memory is None
+
+
+def test_the_same_question_draft_carries_each_remembered_tokens_argmax_gap():
+    rt = FakeRuntime(vocab=64, seed=3)
+    mem = NgramMemory(4096)
+    prompt = [5, 9, 2, 7, 3, 8, 11, 4]
+    list(Engine(rt).generate(prompt, SamplingParams(), 20, (), FixedPolicy(NgramProposer(2, 12, mem), 8)))
+    recall = mem.lookup(prompt, 64, MATCH_CAP, question_key(prompt), 0)
+    expected, ctx = [], list(prompt)
+    for tok in recall.tokens:  # the row that chose each answer token: its lead over the runner-up
+        top2 = np.sort(rt.logits_after(ctx))[-2:]
+        expected.append(top2[1] - top2[0])
+        ctx.append(tok)
+    assert len(recall.tokens) == 20 and recall.same_question
+    np.testing.assert_allclose(recall.gaps, expected, rtol=1e-6)
+    # halfway through, the rest of the answer with the rest of its gaps
+    assert np.array_equal(mem.lookup(ctx[:-12], 64, MATCH_CAP, question_key(prompt), 8).gaps, recall.gaps[8:])
+
+
+def test_an_answer_read_off_shifted_rows_is_remembered_without_gaps():
+    rt = FakeRuntime(vocab=64, seed=3)
+    mem = NgramMemory(4096)
+    prompt = [5, 9, 2, 7, 3, 8, 11, 4]
+    params = SamplingParams(logit_bias=((1, 0.5),))  # a bias moves the gaps: the raw rows' are not the answer's
+    list(Engine(rt).generate(prompt, params, 20, (), FixedPolicy(NgramProposer(2, 12, mem), 8)))
+    recall = mem.lookup(prompt, 64, MATCH_CAP, question_key(prompt, shaping(params, None)), 0)
+    assert len(recall.tokens) == 20 and recall.gaps.size == 0
+
+
+def test_gaps_stay_with_their_answer_when_older_answers_are_forgotten():
+    mem = NgramMemory(200)  # three entries of 61 tokens at most
+    for i in range(6):
+        q, a = list(range(1000 * i, 1000 * i + 50)), [100 * i + j for j in range(12)]
+        mem.add(q + a, 50, question_key(q), np.arange(12, dtype=np.float32) + i)
+    assert mem.lookup(q, 16, MATCH_CAP, question_key(q), 0).gaps.tolist() == list(range(5, 17))
+    mem.add(QUESTION + ANSWER, len(QUESTION), question_key(QUESTION))  # no gaps given: none known
+    recall = mem.lookup(QUESTION, 16, MATCH_CAP, question_key(QUESTION), 0)
+    assert recall.tokens == ANSWER and recall.gaps.size == 0

@@ -37,7 +37,7 @@ class RepeatLast:
     def lag(self, context: Sequence[int]) -> int:
         return 0
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         pass
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:

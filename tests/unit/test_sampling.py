@@ -7,6 +7,7 @@ import pytest
 
 from homespec.speculation.sampling import (
     SamplingParams,
+    argmax_gaps,
     choose,
     penalize,
     probabilities,
@@ -185,3 +186,14 @@ def test_token_logprobs_see_the_tokens_before_them_in_the_penalty_window():
     assert lps[0].logprob == pytest.approx(_log_softmax(np.array([-1.0, 0, 0]))[1])
     assert lps[1].logprob == pytest.approx(_log_softmax(np.array([-1.0, -1.0, 0]))[1])
     assert lps[1].top == ()
+
+
+def test_argmax_gap_is_each_tokens_lead_over_the_runner_up_and_leaves_the_rows_as_they_were() -> None:
+    rows = np.array([[0.0, 2.5, 2.0, -1.0], [1.0, -np.inf, -np.inf, -np.inf], [3.0, 3.0, 0.0, 0.0]], np.float32)
+    before = rows.copy()
+    gaps = argmax_gaps(rows, [1, 0, 0])
+    assert gaps.tolist() == [0.5, np.inf, 0.0]  # a grammar's forced token: nothing else allowed
+    assert np.array_equal(rows, before)
+    read_only = before.copy()
+    read_only.flags.writeable = False
+    assert argmax_gaps(read_only, [1, 0]).tolist() == [0.5, np.inf]

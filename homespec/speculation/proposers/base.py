@@ -36,12 +36,19 @@ class Evidence:
     repeat: bool = False
 
 
+NO_GAPS = np.empty(0, np.float32)  # argmax gaps not known
+NO_GAPS.flags.writeable = False
+
+
 @dataclass(frozen=True)
 class Preview:
     """What a proposer could offer for a context now, found without paying for a proposal."""
 
     available: int  # tokens it could propose (<= the k asked); 0 = nothing worth proposing
     evidence: Evidence = Evidence()
+    # [available] the same question's draft: each token's argmax gap when the remembered answer
+    # gave it (sampling.argmax_gaps), where a greedy answer asked again may break; else empty
+    gaps: np.ndarray = field(default_factory=lambda: NO_GAPS, compare=False)
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class ProposalInfo:
     # a cost per drafted token: reported apart so the cost model stays clean.
     catchup_s: float = 0.0  # seconds of draft_s spent catching up
     catchup_tokens: int = 0  # tokens (or head entries) caught up on
+    gaps: np.ndarray = field(default_factory=lambda: NO_GAPS, compare=False)  # [proposed] as Preview.gaps
 
 
 @dataclass
@@ -106,10 +114,11 @@ class Proposer(Protocol):
         """Guess up to k tokens that follow `context`."""
         ...
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         """The generation it was begun for ended with `context` (prompt + answer), a greedy
-        answer (SpeculationPolicy.end): keep what helps later requests (prompt lookup remembers
-        the answer, filed under its prompt and shaping)."""
+        answer (SpeculationPolicy.end; gaps: [len(answer)] its argmax gaps, or () when not
+        known): keep what helps later requests (prompt lookup remembers the answer, filed under
+        its prompt and shaping, and where it was a near-tie)."""
         ...
 
     def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:

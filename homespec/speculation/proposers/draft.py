@@ -49,7 +49,7 @@ class DraftProposer:
         """Tokens of `context` this draft has not read yet (the cost of using it now)."""
         return len(context) - common_prefix(self.rt.tokens, context)
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         pass  # its KV cache already holds what a next turn could reuse
 
     def propose(

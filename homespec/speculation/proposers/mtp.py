@@ -87,7 +87,7 @@ class MTPProposer:
         last = len(context) - 2
         return max(0, min(self.window, last + 1 - self._keep(context)))
 
-    def end(self, context: Sequence[int]) -> None:
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         pass  # the head's entries follow the target's cache, nothing to keep
 
     def _sync(self, context: Sequence[int], last: int) -> tuple[np.ndarray, np.ndarray, int] | None:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from homespec.speculation.proposers.base import Evidence, Preview, Proposal, ProposalInfo, ProposerCost
+from homespec.speculation.proposers.base import NO_GAPS, Evidence, Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.proposers.ngram_memory import NgramMemory, matched_back, question_key
 from homespec.speculation.sampling import SamplingParams
 
@@ -43,6 +43,7 @@ class Match:
     from_prompt: bool = False  # it copies the prompt (an edit), rather than repeating the answer
     from_memory: bool = False  # it copies an earlier request's answer
     repeat: bool = False  # ... the answer to this same prompt, so far as this one (the same question again)
+    gaps: np.ndarray = field(default_factory=lambda: NO_GAPS, compare=False)  # [len(tokens)] a repeat's argmax gaps (Recall.gaps)
 
 
 NO_MATCH = Match([])
@@ -128,7 +129,7 @@ class NgramProposer:
             recall = self.memory.lookup(context, k, MATCH_CAP, self.question, len(context) - self.prompt_len)
             # the same question's answer beats anything; a longer match beats a phrase of its own that recurs
             if recall.tokens and (recall.same_question or recall.length > m.length):
-                return Match(recall.tokens, recall.length, from_memory=True, repeat=recall.same_question)
+                return Match(recall.tokens, recall.length, from_memory=True, repeat=recall.same_question, gaps=recall.gaps)
         return m
 
     def evidence(self, m: Match) -> Evidence:
@@ -138,15 +139,16 @@ class NgramProposer:
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
         m = self.match(context, k)
-        return Preview(len(m.tokens), self.evidence(m)) if m.tokens else Preview(0)
+        return Preview(len(m.tokens), self.evidence(m), m.gaps) if m.tokens else Preview(0)
 
     def lag(self, context: Sequence[int]) -> int:
         return 0  # the index extends itself in microseconds
 
-    def end(self, context: Sequence[int]) -> None:
-        """The answer is remembered for later requests (its prompt's tail included)."""
+    def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
+        """The answer is remembered for later requests (its prompt's tail included, and where it
+        was a near-tie: gaps)."""
         if self.memory is not None:
-            self.memory.add(context, self.prompt_len, self.question)
+            self.memory.add(context, self.prompt_len, self.question, gaps)
         self.question = None  # until the next begin(): a context that only extends this one is not this prompt
 
     def propose(
@@ -154,7 +156,7 @@ class NgramProposer:
     ) -> Proposal:
         t0 = time.perf_counter()
         m = self.match(context, k)
-        return Proposal(m.tokens, None, time.perf_counter() - t0, ProposalInfo(self.evidence(m)))
+        return Proposal(m.tokens, None, time.perf_counter() - t0, ProposalInfo(self.evidence(m), gaps=m.gaps))
 
     def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost | None:
         return None  # microseconds: nothing worth a warm-up

@@ -26,16 +26,28 @@ Bounded: at most `capacity` tokens; past it the oldest half of the entries is dr
 rest re-indexed (~5 ms per 10k tokens measured on a 2-core EPYC, once per capacity/2 tokens remembered). Memory: ~80
 bytes a token per key length (dict entries keyed by the n-gram's hash), ~8 MB at 32k tokens.
 
+A greedy answer asked again is the same text up to a near-tie: where its top two logits were
+closer than llama.cpp's batch noise, the answer verified in passes of other sizes can take the
+other token. So each answer token keeps its argmax gap (sampling.argmax_gaps), and the same
+question's draft comes with the gaps of its tokens (`Recall.gaps`), for the controller to price
+where the draft is likely to break (costs.NearTieModel). 4 bytes a token more.
+
 It is one object per daemon, shared by every slot's prompt lookup; requests of one slot end
 while another's decide, so it takes a lock.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
+
+import numpy as np
+
+from homespec.speculation.proposers.base import NO_GAPS
 
 # Tokens of the prompt kept before each answer: enough to measure a repeated question's match to
 # MATCH_CAP and to key its first answer token on the question rather than the template alone.
@@ -68,12 +80,15 @@ class Recall(NamedTuple):
     tokens: list[int]  # the continuation [<= k]; empty when nothing matched
     length: int = 0  # tokens of the context's suffix equal to those before it (<= cap)
     same_question: bool = False  # this prompt was answered before, and this answer so far says what that one did
+    # [len(tokens)] the same question's tokens' argmax gaps when that answer kept them; else empty
+    gaps: np.ndarray = NO_GAPS
 
 
 class _Entry(NamedTuple):
     tokens: list[int]  # [<= TAIL prompt tokens + answer]
     question: int | None  # question_key of the whole prompt; None: not known, or the entry lost its lead-in
     answer_at: int  # index in tokens of the answer's first token
+    gaps: np.ndarray  # [len(tokens)] float32 argmax gaps of the answer's tokens; nan: not known (the prompt's tail, ...)
 
 
 class NgramMemory:
@@ -81,6 +96,7 @@ class NgramMemory:
         self.capacity = capacity  # tokens, separators included; 0: remembers nothing
         self._entries: deque[_Entry] = deque()  # one per generation, oldest first
         self._tokens: list[int] = []  # the entries' tokens, each followed by _SEP
+        self._gaps = array("f")  # [len(_tokens)] their argmax gaps (nan: not known)
         self._tables: dict[int, dict[int, int]] = {n: {} for n in KEY_NS}  # n -> hash(n-gram) -> position after it
         # question_key -> positions of its latest answer's first token and of the separator after it
         self._answers: dict[int, tuple[int, int]] = {}
@@ -96,15 +112,20 @@ class NgramMemory:
         with self._lock:
             return len(self._entries)
 
-    def add(self, context: Sequence[int], prompt_len: int, question: int | None = None) -> None:
+    def add(self, context: Sequence[int], prompt_len: int, question: int | None = None, gaps: Sequence[float] = ()) -> None:
         """Remember a finished generation: `context` is its prompt (the first prompt_len tokens)
-        and its answer; question: the prompt's question_key. A generation that answered nothing
-        leaves nothing; an entry longer than the capacity keeps its end (and loses its question)."""
+        and its answer; question: the prompt's question_key; gaps: [len(answer)] the answer's
+        argmax gaps, or () when not known. A generation that answered nothing leaves nothing; an
+        entry longer than the capacity keeps its end (and loses its question)."""
         if self.capacity <= 1 or len(context) <= prompt_len:
             return
         start = max(0, prompt_len - TAIL)
         cut = max(0, len(context) - start - (self.capacity - 1))  # tokens over the capacity (the separator's included)
-        entry = _Entry([int(t) for t in context[start + cut :]], question if cut == 0 else None, prompt_len - start - cut)
+        all_gaps = np.full(len(context) - start, np.nan, np.float32)  # [prompt tail + answer]
+        if len(gaps) == len(context) - prompt_len:
+            all_gaps[prompt_len - start :] = gaps
+        entry = _Entry([int(t) for t in context[start + cut :]], question if cut == 0 else None, prompt_len - start - cut,
+                       all_gaps[cut:])
         with self._lock:
             if len(self._tokens) + len(entry.tokens) + 1 > self.capacity:
                 self._drop_oldest(len(entry.tokens) + 1)
@@ -132,7 +153,9 @@ class NgramMemory:
             if first + answered < stop:  # that answer went on from here
                 length = matched_back(self._tokens, first + answered, context, cap)
                 if length >= min(cap, len(context)):
-                    return Recall(self._follow(first + answered, k), length, True)
+                    tokens = self._follow(first + answered, k)
+                    gaps = np.frombuffer(self._gaps[first + answered : first + answered + len(tokens)], np.float32)
+                    return Recall(tokens, length, True, gaps if not np.isnan(gaps).any() else NO_GAPS)
             for n in KEY_NS:
                 if len(context) < n:
                     continue
@@ -156,6 +179,8 @@ class NgramMemory:
         base = len(self._tokens)
         self._tokens.extend(entry.tokens)
         self._tokens.append(_SEP)
+        self._gaps.extend(entry.gaps.tolist())
+        self._gaps.append(math.nan)
         if entry.question is not None:
             self._answers[entry.question] = (base + entry.answer_at, base + len(entry.tokens))
         for n, table in self._tables.items():
@@ -177,6 +202,7 @@ class NgramMemory:
     def _reindex(self) -> None:
         """Index the entries kept afresh (their positions moved)."""
         self._tokens = []
+        self._gaps = array("f")
         for t in self._tables.values():
             t.clear()
         self._answers.clear()
