@@ -476,10 +476,10 @@ class Controller:
         plain row (a weak draft of its own adds more rows than tokens)."""
         passes = self._passes()
         # An equal share of together_rows each: the others' drafts are cut to theirs (their tokens
-        # in proportion), and this request's k to its own.
+        # and proposing time in proportion), and this request's k to its own.
         share = self.together_rows // (keen.requests + 1) if self.together_rows else self.k_max + 1  # rows
         cut = min(1.0, keen.requests * share / keen.rows)
-        rows, tokens, draft_s = round(keen.rows * cut), keen.tokens * cut, keen.draft_s  # the others' drafts, cut
+        rows, tokens, draft_s = round(keen.rows * cut), keen.tokens * cut, keen.draft_s * cut  # the others' drafts, cut
         plain_rate = (1 + keen.requests) / passes.verify(1 + keen.requests)
         best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + draft_s)
         for p, o in options.items():

@@ -505,6 +505,16 @@ def test_a_pass_of_drafts_together_holds_at_most_together_rows() -> None:
     assert "together" in c.view.reason and d.k == 32 // 4 - 1
 
 
+def test_the_others_drafts_cut_to_their_share_take_their_proposing_time_in_proportion() -> None:
+    # Three drafts of 17 rows that take 0.2 s to propose, cut to 8 rows each: 0.09 s of it.
+    m = Machine(gpu_cost, {"ngram": 1.0}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 100)
+    c.together_rows = 32
+    d = c.decide(m.ctx, alongside=3, keen=Keen(3, 3 * 17, 3 * 17.0, draft_s=0.2))
+    assert "together" in c.view.reason and d.k == 32 // 4 - 1
+
+
 def test_a_request_that_would_decode_plainly_alone_tells_the_others_so() -> None:
     m = Machine(cpu_cost, {"ngram": 0.1}, seed=3)
     c = m.controller(proposers=("ngram",))
