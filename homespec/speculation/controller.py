@@ -21,7 +21,9 @@ Everything on the right-hand side is measured on this machine, not assumed:
   keyed by the evidence a proposal offers (Proposer.preview). For prompt lookup that is the
   match's length (a 5-token match predicts far better than a 2-token one) and whether it copies
   the prompt or repeats the answer (an edit copying its input keeps ~13 of 16 tokens; prose
-  repeating a phrase of its own, ~4).
+  repeating a phrase of its own, ~4). The same question asked again is the exception: its draft
+  is the remembered greedy answer, broken only where batch noise flips a near-tie, so each of
+  its tokens is priced by its argmax gap in that answer (NearTieModel, `_rates`).
 
 Earned length: within a request, a proposer may draft at most max(k0, EARNED_GROWTH x its
 longest accepted run in this request) tokens, k0 being the longest draft whose verification
