@@ -42,9 +42,8 @@ def main() -> int:
     cfg.base_dir = ROOT
     target = Runtime(resolve_model_path(cfg, cfg.models.target), runtime_options(cfg, 0, 2048))
     template = ChatTemplate(target.chat_template)
-    edges = NearTieModel.EDGES
-    seen = np.zeros(len(edges) + 1, dtype=np.int64)  # [buckets] tokens tested
-    kept = np.zeros(len(edges) + 1, dtype=np.int64)  # [buckets] of them given again
+    seen = np.zeros(len(NearTieModel.PRIOR), dtype=np.int64)  # [buckets] tokens tested
+    kept = np.zeros(len(NearTieModel.PRIOR), dtype=np.int64)  # [buckets] of them given again
     for wl in load_workloads(tuple(args.workload or ("chat", "code"))):
         for i, prompt in enumerate(wl.prompts):
             tokens = target.tokenize(template.render(prompt.messages), add_special=False)
@@ -62,7 +61,7 @@ def main() -> int:
                 rows = target.eval(inputs[pos : pos + args.rows], output="all")  # [rows, vocab]
                 chosen = np.argmax(rows, axis=1)
                 for j, tok in enumerate(chosen):
-                    b = int(np.searchsorted(edges, gaps[pos + j], side="right"))
+                    b = int(NearTieModel.bucket(gaps[pos + j]))
                     seen[b] += 1
                     if tok != answer[pos + j]:
                         flip = pos + j
@@ -72,7 +71,7 @@ def main() -> int:
             before = [round(g, 3) for g in gaps[: flip if flip is not None else len(gaps)] if g < 0.4]
             where = f"flipped at token {flip}, gap {gaps[flip]:.3f}" if flip is not None else "given again whole"
             print(f"{wl.name} #{i + 1}: {where}; gaps under 0.4 kept before: {before}", flush=True)
-    bounds = [0.0, *edges.tolist(), float("inf")]
+    bounds = [0.0, *NearTieModel.EDGES.tolist(), float("inf")]
     print("kept / seen by gap: " + ", ".join(f"[{lo:g}, {hi:g}) {k}/{n}" for lo, hi, k, n in zip(bounds, bounds[1:], kept, seen, strict=False)))
     target.close()
     return 0

@@ -113,7 +113,7 @@ class Option(NamedTuple):
     key: AcceptanceKey  # what its acceptance is tracked by, under the evidence it offers now
     k: int  # the longest draft it may make (what it has, and what it has earned in this request)
     switch_s: float  # seconds of catching up before it can draft (it sat out), beyond a step's own
-    gaps: np.ndarray = NO_GAPS  # [<= k] the same question's draft: its tokens' argmax gaps (Preview.gaps)
+    gaps: np.ndarray = NO_GAPS  # [available >= k] the same question's draft: its tokens' argmax gaps (Preview.gaps)
 
 
 @dataclass(frozen=True)

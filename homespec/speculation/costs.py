@@ -245,13 +245,18 @@ class NearTieModel:
         self._n = np.zeros(len(self.PRIOR), dtype=np.int64)  # [buckets] observations
         self._keep = self.PRIOR.copy()  # [buckets] the shrunk estimate decisions read
 
+    @classmethod
+    def bucket(cls, gaps: np.ndarray | float) -> np.ndarray:
+        """[len(gaps)] (or a scalar) each gap's bucket index: 0..len(EDGES), inf in the last."""
+        return np.searchsorted(cls.EDGES, gaps, side="right")
+
     def keep(self, gaps: np.ndarray) -> np.ndarray:
-        """[len(gaps)] P(each token is given again), read by bucket (inf: the last)."""
-        return self._keep[np.searchsorted(self.EDGES, gaps, side="right")]
+        """[len(gaps)] P(each token is given again), read by bucket."""
+        return self._keep[self.bucket(gaps)]
 
     def observe(self, gaps: np.ndarray, outcomes: Sequence[bool]) -> None:
         """A draft of remembered tokens (gaps [>= len(outcomes)]) verified: outcomes per tested position."""
-        for b, ok in zip(np.searchsorted(self.EDGES, gaps[: len(outcomes)], side="right"), outcomes, strict=True):
+        for b, ok in zip(self.bucket(gaps[: len(outcomes)]), outcomes, strict=True):
             w = max(self.alpha, 1.0 / (self._n[b] + 1))
             self._mean[b] += w * (float(ok) - self._mean[b])
             self._n[b] += 1

@@ -266,7 +266,7 @@ def argmax_gaps(logits: np.ndarray, tokens: Sequence[int]) -> np.ndarray:
     if not logits.flags.writeable:
         logits = logits[:n].copy()
     rows, cols = np.arange(n), np.asarray(tokens, dtype=np.int64)
-    top = logits[rows, cols].copy()  # [n]
+    top = logits[rows, cols]  # [n] (fancy indexing: a copy)
     logits[rows, cols] = -np.inf
     try:
         second = logits[:n].max(axis=1)  # [n]
