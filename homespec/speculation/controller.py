@@ -91,6 +91,9 @@ EARNED_GROWTH = 4
 # Rows of a pass of several requests the shared cost curve covers, in drafts of k_max + 1
 # (beyond, it grows by the mean row).
 SHARED_ROWS = 4
+# Prompt-lookup matches into the prompt at least this long (tokens, a match bucket's lower end)
+# are copies whose acceptance is pooled over positions (_pooled).
+POOLED_COPY_MATCH = 8
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -105,6 +108,23 @@ class AcceptanceKey(NamedTuple):
     from_memory: bool = False  # the proposal copies an earlier request's answer
     repeat: bool = False  # ... the answer to the same prompt (kept in full far more often than a shared phrase)
     sampled: bool = False  # a temperature > 0 request
+
+
+def _pooled(key: AcceptanceKey) -> bool:
+    """Whether a key's drafts fail by a chance that does not grow with depth, so that no position's
+    rate falls below the key's rate over every position it tested (AcceptanceModel's pooled keys):
+    - a greedy answer to the same question is left at a near-tie, as likely at position 40 as at 4;
+    - a long copy of the prompt (an edit) is left where the edit changes something, no likelier
+      at its 2nd token than at its 20th. Per position alone, a copy left once at its 2nd token
+      pinned position 2's rate, and the 1-token drafts then chosen never tested it again:
+      replayed (scripts/controller_replay.py, 46 recorded outputs, code and chat before the
+      edits) the edits drafted 1 token at a time on 16-token copies, each kept. Pooled from
+      POOLED_COPY_MATCH tokens of match, edits went from 1.44x to 1.55x plain on a 2-core EPYC
+      curve of 2026-12-04 (the replay's hindsight oracle: 1.92x), and 1.46 -> 1.55, 1.64 -> 1.67,
+      2.21 -> 2.26 on three other measured curves; code and chat moved by 0.3 % at most. Shorter
+      matches into the prompt are often coincidences that fail at once: pooled too, code lost
+      0.4 %."""
+    return (key.repeat and not key.sampled) or (key.from_prompt and key.match >= POOLED_COPY_MATCH)
 
 
 class Option(NamedTuple):
@@ -186,9 +206,7 @@ class Controller:
         # past one request's k_max + 1, and its timings would otherwise move a lone request's
         # curve (plain decoding's baseline with it).
         self.shared = CostModel(SHARED_ROWS * (k_max + 1), cfg.cost_ewma)
-        # A greedy answer to the same question is left at a near-tie, as likely at position 40 as
-        # at 4: no position's rate below its rate over all positions (AcceptanceModel's pooled keys).
-        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=lambda key: key.repeat and not key.sampled)
+        self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=_pooled)
         # ... and where the remembered answer says its near-ties are, by them (_rates).
         self.ties = NearTieModel()
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer

@@ -594,3 +594,27 @@ def test_the_same_question_again_drafts_as_far_as_its_near_ties_make_worth_it() 
     for _ in range(10):
         c.observe(StepStats("ngram", 16, 16, 16, 0.0, epyc_bench_cost(17), (True,) * 16, info))
     assert c.decide(prompt).k == 16
+
+
+def test_a_long_copy_of_the_prompt_drafts_long_again_after_one_early_failure_though_short_drafts_were_kept():
+    # A copy of the prompt left once at its 2nd token (where an edit changed something): the short
+    # drafts chosen after it, each kept whole, never test position 2 again, so only the key's rate
+    # over every position it tested can bring the long drafts back.
+    copy = Match([1] * 16, 20, from_prompt=True)
+    m = Machine(epyc_bench_cost, {})
+    c = m.controller(proposers=("ngram",))
+    prompt = [0] * 100
+    c.begin(prompt)
+    c.proposers["ngram"].peek = lambda ctx, k: copy
+    info = ProposalInfo(c.proposers["ngram"].evidence(copy))
+    # As replayed (scripts/controller_replay.py): a copy of 3 kept in code, one left at its 2nd
+    # token in chat; then every edit drafted 1 token at a time on its 16-token copies.
+    c.observe(StepStats("ngram", 3, 3, 3, 0.0, epyc_bench_cost(4), (True,) * 3, info))
+    c.observe(StepStats("ngram", 3, 3, 1, 0.0, epyc_bench_cost(4), (True, False), info))
+    context = prompt + [1] * 40
+    ks = []
+    for _ in range(12):
+        k = c.decide(context).k
+        ks.append(k)
+        c.observe(StepStats("ngram", k, k, k, 0.0, epyc_bench_cost(k + 1), (True,) * k, info))
+    assert ks[-1] == 16, ks
