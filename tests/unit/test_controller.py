@@ -299,24 +299,34 @@ def epyc_bench_cost(n: int) -> float:
     return float(np.interp(n, ns, ms)) / 1000
 
 
+def offering(match: Match, cost) -> tuple[Controller, list[int], ProposalInfo]:
+    """A controller whose one proposer, prompt lookup, offers `match` at every step of a request
+    begun on a 100-token prompt; the prompt, and what a proposal of that match carries."""
+    c = Machine(cost, {}).controller(proposers=("ngram",))
+    prompt = [0] * 100
+    c.begin(prompt)
+    c.proposers["ngram"].peek = lambda ctx, k: match
+    return c, prompt, ProposalInfo(c.proposers["ngram"].evidence(match))
+
+
+def drafts_kept_whole(c: Controller, context: list[int], info: ProposalInfo, cost, steps: int) -> list[int]:
+    """The k the controller chooses over `steps` steps, each draft kept in full."""
+    ks = []
+    for _ in range(steps):
+        k = c.decide(context).k
+        ks.append(k)
+        c.observe(StepStats("ngram", k, k, k, 0.0, cost(k + 1), (True,) * k, info))
+    return ks
+
+
 def test_the_same_question_again_drafts_long_again_soon_after_its_answer_once_left_the_remembered_one():
     # Chat prose asked again: the answer leaves the remembered one at a near-tie (batch noise),
     # here at its 8th token, and re-joins it. That one failure must not keep every later draft
     # of a remembered answer short while each is kept whole.
-    same = Match([1] * 16, 32, from_memory=True, repeat=True)
-    m = Machine(epyc_bench_cost, {})
-    c = m.controller(proposers=("ngram",))
-    prompt = [0] * 100
-    c.begin(prompt)
-    c.proposers["ngram"].peek = lambda ctx, k: same
-    info = ProposalInfo(c.proposers["ngram"].evidence(same))
+    c, prompt, info = offering(Match([1] * 16, 32, from_memory=True, repeat=True), epyc_bench_cost)
     assert c.decide(prompt).k == 16
     c.observe(StepStats("ngram", 16, 16, 7, 0.0, epyc_bench_cost(17), (True,) * 7 + (False,), info))
-    ks = []
-    for _ in range(8):
-        k = c.decide(prompt).k
-        ks.append(k)
-        c.observe(StepStats("ngram", k, k, k, 0.0, epyc_bench_cost(k + 1), (True,) * k, info))
+    ks = drafts_kept_whole(c, prompt, info, epyc_bench_cost, 8)
     assert 0 < ks[0] < 16 and ks[-1] == 16, ks  # wary at once, long again after a few drafts kept whole
 
 
@@ -600,21 +610,10 @@ def test_a_long_copy_of_the_prompt_drafts_long_again_after_one_early_failure_tho
     # A copy of the prompt left once at its 2nd token (where an edit changed something): the short
     # drafts chosen after it, each kept whole, never test position 2 again, so only the key's rate
     # over every position it tested can bring the long drafts back.
-    copy = Match([1] * 16, 20, from_prompt=True)
-    m = Machine(epyc_bench_cost, {})
-    c = m.controller(proposers=("ngram",))
-    prompt = [0] * 100
-    c.begin(prompt)
-    c.proposers["ngram"].peek = lambda ctx, k: copy
-    info = ProposalInfo(c.proposers["ngram"].evidence(copy))
+    c, prompt, info = offering(Match([1] * 16, 20, from_prompt=True), epyc_bench_cost)
     # As replayed (scripts/controller_replay.py): a copy of 3 kept in code, one left at its 2nd
     # token in chat; then every edit drafted 1 token at a time on its 16-token copies.
     c.observe(StepStats("ngram", 3, 3, 3, 0.0, epyc_bench_cost(4), (True,) * 3, info))
     c.observe(StepStats("ngram", 3, 3, 1, 0.0, epyc_bench_cost(4), (True, False), info))
-    context = prompt + [1] * 40
-    ks = []
-    for _ in range(12):
-        k = c.decide(context).k
-        ks.append(k)
-        c.observe(StepStats("ngram", k, k, k, 0.0, epyc_bench_cost(k + 1), (True,) * k, info))
+    ks = drafts_kept_whole(c, prompt + [1] * 40, info, epyc_bench_cost, 12)
     assert ks[-1] == 16, ks
