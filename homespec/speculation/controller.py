@@ -206,8 +206,9 @@ class Controller:
         # past one request's k_max + 1, and its timings would otherwise move a lone request's
         # curve (plain decoding's baseline with it).
         self.shared = CostModel(SHARED_ROWS * (k_max + 1), cfg.cost_ewma)
+        # Some keys' drafts fail at any depth alike: one rate over their positions too (_pooled).
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=_pooled)
-        # ... and where the remembered answer says its near-ties are, by them (_rates).
+        # The same question's greedy draft, by where its remembered answer had near-ties (_rates).
         self.ties = NearTieModel()
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
         self.step_no = 0

@@ -144,12 +144,12 @@ class AcceptanceModel:
     and one unlucky observation cannot pin k down.
 
     A pooled key (`pooled(key)`) fails by a chance that does not grow with depth (a greedy answer
-    given again leaves the remembered one at a near-tie, wherever that falls; an edit leaves
-    the prompt it copies wherever it changes something), so no position's
-    rate falls below the key's rate over every position it tested. Per position alone, one
-    failure at position 8 pinned a_8 while the later drafts it kept short never tested position
-    8 again: after one chat answer asked again, every later repeat, code's too, was drafted 5
-    tokens at a time, each draft kept whole.
+    given again leaves the remembered one at a near-tie, wherever that falls; an edit leaves the
+    prompt it copies wherever it changes something), so no position's rate falls below the key's
+    rate over every position it tested. Per position alone, one failure at position 8 pinned a_8
+    while the later drafts it kept short never tested position 8 again: after one chat answer
+    asked again, every later repeat, code's too, was drafted 5 tokens at a time, each draft kept
+    whole.
     """
 
     SHRINK = 2.0  # pseudo-observations pulling a position towards the one before it
