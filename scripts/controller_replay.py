@@ -2,13 +2,15 @@
 """Judge the speculation controller on recorded greedy outputs, without timing anything.
 
     .venv/bin/python scripts/controller_replay.py record OUT.json [--config C] [--messages M.json] [--max-tokens 200]
-    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json]
+    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json ...]
 
 record: greedy outputs of the bench's prompts (or of M.json: {workload: [[chat messages]]}), with
-the target model. replay: auto against fixed ngram arms and a hindsight oracle (the accepted tokens known in advance)
-on those outputs (homespec.speculation.replay), each
-step priced with the target's pass costs from a bench run's calibration (default: the curve the
-unit tests use, measured on the 2-core development machine).
+the target model. replay: auto against fixed ngram arms and a hindsight oracle (the accepted tokens
+known in advance) on those outputs (homespec.speculation.replay), each step priced with the
+target's pass costs from a bench run's calibration or a {n: seconds} file, one table per --costs
+(default: the curve the unit tests use, measured on the 2-core development machine;
+tests/data/epyc_pass_costs.json is a 2-core AMD EPYC's from scripts/pass_cost.py --history 200
+--rounds 6, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -51,25 +53,28 @@ def replay(args: argparse.Namespace) -> None:
     from homespec.speculation.controller import Controller
     from homespec.speculation.replay import compare, load_recordings, pass_cost
 
-    costs = json.loads(Path(args.costs).read_text())
-    costs = costs.get("calibration", {}).get("target", costs)  # a bench report, or {n: seconds}
-    samples = {int(n): float(s) for n, s in costs.items()}  # tokens in a pass -> seconds
-
     workloads: dict = {}
     for f in args.recordings:
         for name, recs in load_recordings(Path(f)).items():
             workloads.setdefault(name, []).extend(recs)
-
-    def controller(ngram):
-        c = Controller([ngram], ControllerConfig(), k_max=max(samples) - 1)
-        c.cost.set_verify(samples)
-        return c
-
-    table = compare(workloads, controller, pass_cost(samples), oracle_k=max(samples) - 1)
     names = list(workloads)
-    print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
-    for arm, row in table.items():
-        print(f"{arm:<10} " + " ".join(f"{row[w]:8.3f}" for w in names))
+
+    for path in args.costs or [DEFAULT_COSTS]:
+        costs = json.loads(Path(path).read_text())
+        costs = costs.get("calibration", {}).get("target", costs)  # a bench report, or {n: seconds}
+        samples = {int(n): float(s) for n, s in costs.items()}  # tokens in a pass -> seconds
+
+        def controller(ngram, samples=samples):
+            c = Controller([ngram], ControllerConfig(), k_max=max(samples) - 1)
+            c.cost.set_verify(samples)
+            return c
+
+        table = compare(workloads, controller, pass_cost(samples), oracle_k=max(samples) - 1)
+        shown = sorted(samples)[:: max(1, len(samples) // 4)]  # a few sizes: the curve's shape
+        print(f"== {path} (" + ", ".join(f"{n} row{'s' * (n > 1)} {samples[n] * 1000:.0f} ms" for n in shown) + ")")
+        print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
+        for arm, row in table.items():
+            print(f"{arm:<10} " + " ".join(f"{row[w]:8.3f}" for w in names))
     print(f"auto: its worst over workload orders (each workload first once); {sum(len(r) for r in workloads.values())} recordings")
 
 
@@ -83,7 +88,8 @@ def main() -> None:
     r.add_argument("--max-tokens", type=int, default=200)
     q = sub.add_parser("replay")
     q.add_argument("recordings", nargs="+")
-    q.add_argument("--costs", default=str(DEFAULT_COSTS))
+    q.add_argument("--costs", action="append",
+                   help="a bench report or {n: seconds}; once per curve (default: the unit tests' curve)")
     args = p.parse_args()
     record(args) if args.cmd == "record" else replay(args)
 
