@@ -109,6 +109,12 @@ class AcceptanceKey(NamedTuple):
     repeat: bool = False  # ... the answer to the same prompt (kept in full far more often than a shared phrase)
     sampled: bool = False  # a temperature > 0 request
 
+    @property
+    def greedy_repeat(self) -> bool:
+        """The same question's remembered answer, drafted for a greedy request: left only where a
+        near-tie flips (NearTieModel), and at any depth alike (_pooled)."""
+        return self.repeat and not self.sampled
+
 
 def _pooled(key: AcceptanceKey) -> bool:
     """Whether a key's drafts fail by a chance that does not grow with depth, so that no position's
@@ -124,7 +130,7 @@ def _pooled(key: AcceptanceKey) -> bool:
       2.21 -> 2.26 on three other measured curves; code and chat moved by 0.3 % at most. Shorter
       matches into the prompt are often coincidences that fail at once: pooled too, code lost
       0.4 %."""
-    return (key.repeat and not key.sampled) or (key.from_prompt and key.match >= POOLED_COPY_MATCH)
+    return key.greedy_repeat or (key.from_prompt and key.match >= POOLED_COPY_MATCH)
 
 
 class Option(NamedTuple):
@@ -398,7 +404,7 @@ class Controller:
             self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
-            if key.repeat and not key.sampled and len(step.info.gaps):
+            if key.greedy_repeat and len(step.info.gaps):
                 self.ties.observe(step.info.gaps, step.outcomes)
             self.req.earned[step.proposer] = max(self.req.earned.get(step.proposer, 0), step.accepted)
             if probing:  # what the probe cost beyond plain decoding of the same tokens
@@ -560,7 +566,7 @@ class Controller:
         (NearTieModel: asked again, a remembered token is rejected only where it flips)."""
         rates = self.acc.rates(option.key)
         n = min(len(option.gaps), self.k_max)
-        if not n or not option.key.repeat or option.key.sampled:
+        if not n or not option.key.greedy_repeat:
             return rates
         out = rates.copy()
         out[:n] = self.ties.keep(option.gaps[:n])
