@@ -98,7 +98,11 @@ def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice
         "%llguidance {}",
         f"TEXT: {ANY_TEXT}",
         f"call: {_marker(fmt.open)} \"\\n\" body \"\\n\" {_marker(fmt.close)}",
-        "calls: call" + (f" ({_literal(fmt.separator)} call)*" if parallel else ""),
+        # The separator may also end the calls: after a call's close marker the model writes it
+        # whether or not another call follows (Qwen2.5-Coder 1.5B: "\n" at logprob -0.0, its end
+        # of turn at -7.9), so a separator that could only lead to another call made every
+        # `required` answer repeat its call until max_tokens.
+        "calls: call" + (f" ({_literal(fmt.separator)} call)*" if parallel else "") + f" {_literal(fmt.separator)}?",
         "body: " + " | ".join(f"body_{i}" for i in range(len(names))),
     ]
     for i, name in enumerate(names):
