@@ -69,6 +69,17 @@ class Message(BaseModel):
     name: str | None = None
     function_call: FunctionCall | None = None  # the legacy form of one tool call
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, v: Any) -> Any:
+        # Before the union is tried: otherwise an image part is refused as "content.str: Input
+        # should be a valid string", which names neither the part nor the reason.
+        for part in v if isinstance(v, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", None):
+                raise ValueError(f"content parts of type {kind!r} are not supported: homespec serves text models only")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""

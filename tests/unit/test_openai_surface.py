@@ -184,6 +184,19 @@ def test_a_refused_field_is_a_400_naming_it(server: tuple[str, Daemon], path: st
     assert err["param"] == field and field in err["message"], err
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])
+def test_a_content_part_that_is_not_text_is_a_400_naming_its_type(server: tuple[str, Daemon], part: dict) -> None:
+    url, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="homespec", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}])
+    err = e.value.body
+    assert err["param"] == "messages.0.content" and repr(part["type"]) in err["message"] and "text" in err["message"], err
+
+
 def test_ignored_fields_are_accepted_and_change_nothing(server: tuple[str, Daemon]) -> None:
     url, _ = server
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
