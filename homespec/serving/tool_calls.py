@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from homespec.speculation.constraints import JSON_STYLE, check_grammar
+from homespec.speculation.constraints import JSON_STYLE, GrammarError, check_grammar, json_schema_grammar
 
 ANY_TEXT = "/(.|\\n)+/"  # Lark: any text; the call markers are special tokens, so outside it
 
@@ -111,8 +111,22 @@ def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
     start = {"auto": "start: TEXT? calls?", "none": "start: TEXT?"}.get(choice, "start: calls")
     grammar = "\n".join([start, *rules]) + "\n"
-    check_grammar(grammar)  # a parameters schema that does not compile: GrammarError, as for response_format
+    try:
+        check_grammar(grammar)
+    except GrammarError:
+        _name_bad_schema(tools, names)  # llguidance's message quotes the Lark around the schema
+        raise
     return grammar
+
+
+def _name_bad_schema(tools: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> None:
+    """GrammarError naming the first tool whose parameters schema does not compile alone."""
+    for name in names:
+        try:
+            json_schema_grammar({"x-guidance": JSON_STYLE, **_object_schema(tools[name])})
+        except GrammarError as e:
+            reason = str(e).removeprefix("invalid grammar: ").removeprefix("invalid JSON schema: ")
+            raise GrammarError(f"tool {name!r}: invalid parameters schema: {reason}") from None
 
 
 def _object_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:

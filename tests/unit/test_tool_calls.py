@@ -19,7 +19,7 @@ from homespec.serving.tool_calls import (
     template_tool_calls,
     tool_format,
 )
-from homespec.speculation.constraints import check_grammar
+from homespec.speculation.constraints import GrammarError, check_grammar
 
 QWEN_LIKE = "{%- if tools %}{{ tools | tojson }} <tool_call>\n{\"name\": ...}\n</tool_call>{%- endif %}" + CHATML
 KNOWN = ["get_weather", "set_light"]
@@ -97,6 +97,14 @@ def test_call_grammars_compile_for_every_choice(choice, parallel):
     tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
              "set_light": {}}
     check_grammar(call_grammar(HERMES, tools, choice, parallel))
+
+
+def test_a_tool_schema_that_does_not_compile_is_refused_naming_the_tool_not_the_lark_around_it():
+    tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}},
+             "set_light": {"type": "object", "properties": {"room": {"type": "bogus"}}}}
+    with pytest.raises(GrammarError) as e:
+        call_grammar(HERMES, tools, "auto", True)
+    assert str(e.value) == "tool 'set_light': invalid parameters schema: Invalid type: bogus"
 
 
 def test_history_calls_carry_arguments_as_objects_for_the_template():
