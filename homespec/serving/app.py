@@ -70,8 +70,11 @@ async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
 
 async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = "not_found" if e.status_code == 404 else None
+    message = str(e.detail)
+    if e.status_code == 404 and message == "Not Found":  # no such route (not a handler's own 404)
+        message = f"no endpoint {request.method} {request.url.path}: GET /docs lists this server's API"
     # e.g. 405's Allow
-    return error_response(oa.ApiError(e.status_code, str(e.detail), code=kind, headers=e.headers), request.url.path)
+    return error_response(oa.ApiError(e.status_code, message, code=kind, headers=e.headers), request.url.path)
 
 
 async def _crash(request: Request, e: Exception) -> JSONResponse:

@@ -282,7 +282,7 @@ BAD_INPUT = [
     ("unknown-role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, None, None),
     ("content-is-a-number", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, None, None),
     ("image-content-part", "POST", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None, None),
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None, "messages.0.content"),
     ("unknown-model", "POST", "/v1/chat/completions", chat_body(PARIS, 4, model="gpt-9"), 404, "model_not_found", "model"),
     ("temperature-too-high", "POST", "/v1/chat/completions", chat_body(PARIS, 4, temperature=3), 400, None, "temperature"),
     ("temperature-negative", "POST", "/v1/chat/completions", chat_body(PARIS, 4, temperature=-0.5), 400, None, "temperature"),

@@ -197,6 +197,15 @@ def test_a_content_part_that_is_not_text_is_a_400_naming_its_type(server: tuple[
     assert err["param"] == "messages.0.content" and repr(part["type"]) in err["message"] and "text" in err["message"], err
 
 
+@pytest.mark.parametrize("method, path", [("POST", "/v1/embeddings"), ("GET", "/v2/models")])
+def test_an_unknown_endpoint_is_a_404_that_names_it(server: tuple[str, Daemon], method: str, path: str) -> None:
+    url, _ = server
+    r = httpx.request(method, url + path, json={"input": "hi"} if method == "POST" else None, timeout=WAIT_S)
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "not_found" and f"{method} {path}" in err["message"], err
+
+
 def test_ignored_fields_are_accepted_and_change_nothing(server: tuple[str, Daemon]) -> None:
     url, _ = server
     base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
