@@ -106,13 +106,26 @@ def state_buffer(size: int) -> StateBuffer:
     return buf
 
 
+# Warnings llama.cpp gives about a model file it then handles itself: every Qwen2.5 GGUF loads
+# with "control-looking token: 128247 '</s>' was not control-type; this is probably a bug in the
+# model", at each start of the daemon and each `homespec run`, for target and draft alike.
+_HANDLED_WARNINGS = ("control-looking token",)
+
+
+def llama_log_level(level: int, msg: str) -> int:
+    """The logging level of a llama.cpp log line: its warnings and errors stay visible (but for
+    _HANDLED_WARNINGS), the rest of its chatter at load goes to debug. ggml levels: 1 debug,
+    2 info, 3 warn, 4 error, 5 continuation of the previous line."""
+    if level == 3 and any(w in msg for w in _HANDLED_WARNINGS):
+        return logging.DEBUG
+    return {3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG)
+
+
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    # llama.cpp is chatty at load; route it to debug logging, keep its errors visible.
-    # ggml levels: 1 debug, 2 info, 3 warn, 4 error, 5 continuation of the previous line.
     msg = text.decode("utf-8", "replace").rstrip()
     if msg:
-        _llama_log.log({3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG), msg)
+        _llama_log.log(llama_log_level(level, msg), msg)
 
 
 def _init_backend() -> None:
