@@ -2,7 +2,7 @@
 """Judge the speculation controller on recorded greedy outputs, without timing anything.
 
     .venv/bin/python scripts/controller_replay.py record OUT.json [--config C] [--messages M.json] [--max-tokens 200]
-    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json ...]
+    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json ...] [--by-evidence]
 
 record: greedy outputs of the bench's prompts (or of M.json: {workload: [[chat messages]]}), with
 the target model. replay: auto against fixed ngram arms and a hindsight oracle (the accepted tokens
@@ -75,7 +75,36 @@ def replay(args: argparse.Namespace) -> None:
         print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
         for arm, row in table.items():
             print(f"{arm:<10} " + " ".join(f"{row[w]:8.3f}" for w in names))
+        if args.by_evidence:
+            evidence_tables(workloads, controller, pass_cost(samples), max(samples) - 1)
     print(f"auto: its worst over workload orders (each workload first once); {sum(len(r) for r in workloads.values())} recordings")
+
+
+def evidence_tables(workloads: dict, controller, pass_s, k_max: int) -> None:
+    """Per workload and evidence: how often ngram k=4's proposals keep their first token, and what
+    the oracle's and auto's drafts saved (auto sees the workloads in the order given)."""
+    from homespec.speculation.engine import FixedPolicy
+    from homespec.speculation.proposers.ngram import MATCH_CAP, NgramProposer
+    from homespec.speculation.replay import by_evidence, oracle, replay
+
+    def label(e) -> str:
+        source = "prompt" if e.from_prompt else "memory" if e.from_memory else "answer"
+        span = {8: "8-15", 16: f"16-{MATCH_CAP - 1}", MATCH_CAP: f"{MATCH_CAP}+"}.get(e.match, str(e.match))
+        return f"{source}, match {span}"
+
+    auto = controller(auto_ngram := NgramProposer(2, 12))
+    for name, recs in workloads.items():
+        fixed, best, mine = [], [], []
+        replay(recs, FixedPolicy(ngram := NgramProposer(2, 12), 4), ngram, pass_s, fixed)
+        oracle(recs, NgramProposer(2, 12), pass_s, k_max, best)
+        plain_s = replay(recs, auto, auto_ngram, pass_s, mine).emitted * pass_s(1)
+        rows = [by_evidence(x, pass_s) for x in (fixed, best, mine)]
+        print(f"-- {name}: drafting steps by evidence; saved: modelled seconds against plain decoding ({plain_s:.1f} s)")
+        print(f"{'evidence':<20} {'k=4 proposals':>13} {'1st kept':>8} {'oracle steps':>12} {'saved s':>8} {'auto steps':>10} {'saved s':>8}")
+        for e in sorted(set().union(*rows), key=lambda e: (e.from_prompt, e.from_memory, e.match)):
+            f, o, a = (r.get(e) for r in rows)
+            print(f"{label(e):<20} {f.steps if f else 0:>13} {f'{f.first_kept / f.steps:.0%}' if f else '-':>8}"
+                  f" {o.steps if o else 0:>12} {o.saved_s if o else 0:>+8.2f} {a.steps if a else 0:>10} {a.saved_s if a else 0:>+8.2f}")
 
 
 def main() -> None:
@@ -90,6 +119,8 @@ def main() -> None:
     q.add_argument("recordings", nargs="+")
     q.add_argument("--costs", action="append",
                    help="a bench report or {n: seconds}; once per curve (default: the unit tests' curve)")
+    q.add_argument("--by-evidence", action="store_true",
+                   help="also, per workload: each kind of match's first-token keep rate, and what the oracle's and auto's drafts saved")
     args = p.parse_args()
     record(args) if args.cmd == "record" else replay(args)
 

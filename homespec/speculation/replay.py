@@ -21,7 +21,7 @@ import numpy as np
 from homespec.speculation.controller import Controller
 from homespec.speculation.costs import CostModel
 from homespec.speculation.engine import OFF, Decision, FixedPolicy, Keen, SpeculationPolicy, StepStats, StepTally
-from homespec.speculation.proposers.base import ProposalInfo
+from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
 from homespec.speculation.verify import greedy_verify
@@ -54,9 +54,11 @@ def replay(
     policy: SpeculationPolicy,
     ngram: NgramProposer,
     pass_s: Callable[[int], float],
+    steps: list[StepStats] | None = None,
 ) -> StepTally:
     """Run `policy` over the recordings as the engine would, with ngram as its only proposer
-    and a step priced at pass_s(tokens verified). The prefill's first token is not counted."""
+    and a step priced at pass_s(tokens verified). The prefill's first token is not counted.
+    steps: if given, every step is appended to it as well (by_evidence reads them)."""
     out = StepTally()
     rng = np.random.default_rng(0)  # unused: ngram proposals are deterministic
     for rec in recordings:
@@ -77,8 +79,38 @@ def replay(
                              pass_s(len(drafted) + 1), tuple(verdict.outcomes), info)
             policy.observe(step)
             out.add(step)
+            if steps is not None:
+                steps.append(step)
             ctx += verdict.tokens
             t += len(verdict.tokens)
+    return out
+
+
+@dataclass
+class EvidenceTally:
+    """The drafting steps made under one evidence (ngram: the match's length bucket, and whether
+    it copies the prompt)."""
+
+    steps: int = 0
+    drafted: int = 0  # tokens
+    accepted: int = 0  # tokens
+    first_kept: int = 0  # steps whose first drafted token was kept
+    saved_s: float = 0.0  # modelled seconds against decoding the emitted tokens plainly (< 0: lost)
+
+
+def by_evidence(steps: Sequence[StepStats], pass_s: Callable[[int], float]) -> dict[Evidence, EvidenceTally]:
+    """Replayed steps that drafted, summed per evidence: where a policy gains and loses, and (for
+    a fixed k) how often each kind of match is kept at all."""
+    out: dict[Evidence, EvidenceTally] = {}
+    for s in steps:
+        if not s.proposed:
+            continue
+        t = out.setdefault(s.info.evidence, EvidenceTally())
+        t.steps += 1
+        t.drafted += s.proposed
+        t.accepted += s.accepted
+        t.first_kept += s.accepted > 0
+        t.saved_s += (s.accepted + 1) * pass_s(1) - pass_s(s.proposed + 1)
     return out
 
 
@@ -111,11 +143,14 @@ class _Hindsight:
         pass
 
 
-def oracle(recordings: Sequence[Recording], ngram: NgramProposer, pass_s: Callable[[int], float], k_max: int) -> StepTally:
+def oracle(
+    recordings: Sequence[Recording], ngram: NgramProposer, pass_s: Callable[[int], float], k_max: int,
+    steps: list[StepStats] | None = None,
+) -> StepTally:
     """Prompt lookup with hindsight (_Hindsight), replayed as any policy is. No policy can know
     what it knows, so its speedup is the reference a policy is read against (it is myopic, step
     by step, so not a proof of optimality)."""
-    return replay(recordings, _Hindsight(recordings, ngram, pass_s, k_max), ngram, pass_s)
+    return replay(recordings, _Hindsight(recordings, ngram, pass_s, k_max), ngram, pass_s, steps)
 
 
 def compare(

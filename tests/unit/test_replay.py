@@ -12,7 +12,7 @@ from homespec.config import ControllerConfig
 from homespec.speculation.controller import Controller
 from homespec.speculation.engine import FixedPolicy
 from homespec.speculation.proposers.ngram import NgramProposer
-from homespec.speculation.replay import Recording, compare, load_recordings, oracle, pass_cost, replay
+from homespec.speculation.replay import Recording, by_evidence, compare, load_recordings, oracle, pass_cost, replay
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 K_MAX = 16
@@ -92,3 +92,19 @@ def test_the_oracle_drafts_nothing_where_a_pass_costs_its_tokens_decoded_one_by_
     text = list(range(10, 40))
     r = oracle([Recording(prompt=[1, *text, 2], output=text)], NgramProposer(2, 4), lambda n: 0.1 * n, k_max=16)
     assert r.proposed == 0 and r.emitted == len(text) - 1
+
+
+def test_steps_by_evidence_sum_what_each_kind_of_match_drafted_kept_and_saved():
+    text = list(range(10, 40))
+    copy = Recording(prompt=[1, *text, 2], output=[*text[:12], 99, 98, *text[12:20]])  # leaves the copy once
+    step = lambda n: 0.1 + 0.01 * n  # noqa: E731  # seconds
+    steps: list = []
+    total = replay([copy], FixedPolicy(ngram := NgramProposer(2, 4), 4), ngram, step, steps)
+    tallies = by_evidence(steps, step)
+    assert all(e.from_prompt for e in tallies)  # every match is into the prompt
+    drafting = [s for s in steps if s.proposed]
+    assert sum(t.steps for t in tallies.values()) == len(drafting) == total.spec_steps
+    assert sum(t.accepted for t in tallies.values()) == total.accepted
+    assert sum(t.first_kept for t in tallies.values()) == sum(s.accepted > 0 for s in drafting) < len(drafting)
+    saved = sum((s.accepted + 1) * step(1) - step(s.proposed + 1) for s in drafting)  # against one pass a token
+    assert sum(t.saved_s for t in tallies.values()) == pytest.approx(saved)
