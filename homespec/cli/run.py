@@ -28,6 +28,9 @@ def main(args: argparse.Namespace) -> int:
     from homespec.serving.host import Host
 
     cfg = load_config(config_path(args.config))
+    # One answer: no earlier turn to reuse, so no prefix cache to set up (its 512 MiB arena is
+    # written at warm-up: ~1.1 s on 2 cores).
+    cfg = cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"prefix_reuse": False})})
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     req = request_from_args(cfg, args)  # a bad flag is refused before any model loads
     with Host.open(cfg, calibrate=req.mode == "auto") as session:

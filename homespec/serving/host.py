@@ -176,6 +176,8 @@ class Host:
         """Touch the weights and the prefix cache's memory, calibrate the controller and build
         the grammar tokenizer (a few seconds on a CPU)."""
         t0 = time.perf_counter()
+        # Said before, not only after: on 2 cores the warm-up is ~10 s in which nothing else shows.
+        log.info("warm-up: timing the target's passes of 1-%d tokens and each proposer's cost", self.controller.k_max + 1)
         # Faulted in now, before the passes are timed, not by the saves of the first requests.
         cache_s = self.prefix_cache.touch() if self.prefix_cache is not None else 0.0
         target = self.models.target
