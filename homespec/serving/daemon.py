@@ -543,8 +543,8 @@ class Daemon:
             free = sorted(set(range(session.slots)) - {a.slot for a in self._active.values()})
             slot = session.pick_slot(tokens, free)
             steps = session.steps(tokens, req, slot, stats)
-        except PromptTooLong as e:
-            return self._refuse(job, str(e), "context_length_exceeded")
+        except PromptTooLong as e:  # the daemon's own setting: say where it is set (a client's num_ctx is not)
+            return self._refuse(job, f"{e}; the daemon's context is runtime.n_ctx in its config", "context_length_exceeded")
         except UserError as e:
             return self._refuse(job, str(e), "invalid_request")
         except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text

@@ -197,6 +197,15 @@ def test_a_content_part_that_is_not_text_is_a_400_naming_its_type(server: tuple[
     assert err["param"] == "messages.0.content" and repr(part["type"]) in err["message"] and "text" in err["message"], err
 
 
+def test_a_prompt_longer_than_the_context_is_a_400_that_says_where_the_context_is_set(server: tuple[str, Daemon]) -> None:
+    url, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="homespec", max_tokens=2, messages=[{"role": "user", "content": "x" * 600}])
+    err = e.value.body
+    assert err["code"] == "context_length_exceeded" and "the context holds 512" in err["message"], err
+    assert "runtime.n_ctx" in err["message"], err  # a client's num_ctx / max context does not set it
+
+
 @pytest.mark.parametrize("method, path", [("POST", "/v1/embeddings"), ("GET", "/v2/models")])
 def test_an_unknown_endpoint_is_a_404_that_names_it(server: tuple[str, Daemon], method: str, path: str) -> None:
     url, _ = server
