@@ -68,7 +68,8 @@ def _stream(pieces: list[str]) -> tuple[str, list[str]]:
         c, calls = s.push(p)
         content += c
         names += [x.name for x in calls]
-    return content + s.finish(), names
+    rest, calls = s.finish()
+    return content + rest, names + [x.name for x in calls]
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
@@ -86,6 +87,36 @@ def test_streaming_a_malformed_call_returns_it_as_text():
     assert names == [] and content == "Hi " + CALL[:20]
 
 
+BARE = '{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Oslo"\n  }\n}'
+
+
+@pytest.mark.parametrize("text", [BARE, '{{"name": "get_weather", "arguments": {"city": "Oslo"}}}', "\n" + BARE + "\n"])
+def test_an_answer_that_is_one_call_with_no_marker_is_that_call(text):
+    """Bare, or in the doubled braces of the template's example: how this model family writes a
+    call at T > 0 under auto, one time in five here."""
+    content, (call,) = parse_calls(HERMES, text, KNOWN)
+    assert content == "" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"}
+    for size in (1, 5, 1000):  # streamed: held to the end, then sent as the call
+        assert _stream([text[i : i + size] for i in range(0, len(text), size)]) == ("", ["get_weather"])
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "add", "arguments": {"a": 2, "b": 2}}',  # a tool it was not given
+    '{"a": 1, "b": 2}',  # JSON asked for
+    BARE + " and some words after it",
+])
+def test_an_answer_that_opens_with_a_brace_but_is_no_declared_call_stays_text(text):
+    assert parse_calls(HERMES, text, KNOWN) is None
+    assert _stream([text[:7], text[7:]]) == (text, [])
+
+
+def test_a_call_with_no_marker_streams_as_openai_deltas_at_the_end():
+    deltas = ChatDeltas(ToolUse(HERMES, KNOWN, False))
+    assert deltas.push(BARE[:10]) == [] and deltas.push(BARE[10:]) == []
+    held, reason = deltas.finish("stop")
+    assert reason == "tool_calls" and held[0]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
 def test_plain_text_with_backticks_is_sent_once_the_marker_is_ruled_out():
     content, names = _stream(["use `x", "` here"])
     assert content == "use `x` here" and names == []
@@ -97,6 +128,53 @@ def test_call_grammars_compile_for_every_choice(choice, parallel):
     tools = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
              "set_light": {}}
     check_grammar(call_grammar(HERMES, tools, choice, parallel))
+
+
+class ByteTokenizer:
+    """A vocabulary of single bytes plus the Hermes call markers as special tokens, as llguidance's
+    TokenizerWrapper wants it: enough to ask a call grammar which texts it allows, without weights."""
+
+    SPECIAL = (b"<tool_call>", b"</tool_call>")
+
+    def __init__(self) -> None:
+        self.tokens = [bytes([i]) for i in range(256)] + [*self.SPECIAL, b"<eos>"]
+        self.eos_token_id = len(self.tokens) - 1
+        self.special_token_ids = [256, 257, self.eos_token_id]
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            special = next((256 + j for j, m in enumerate(self.SPECIAL) if text.startswith(m, i)), None)
+            ids.append(special if special is not None else text[i])
+            i += len(self.SPECIAL[special - 256]) if special is not None else 1
+        return ids
+
+
+def allows(grammar: str, text: str) -> bool:
+    """Whether the grammar allows `text` as a whole answer."""
+    import llguidance
+
+    bt = ByteTokenizer()
+    m = llguidance.LLMatcher(llguidance.LLTokenizer(llguidance.TokenizerWrapper(bt)), grammar, log_level=0)
+    ids = bt(text.encode())
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+WEATHER = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+BODY = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_calls_may_end_after_the_separator_the_model_writes_after_each(parallel):
+    grammar = call_grammar(HERMES, WEATHER, "required", parallel)
+    call = f"<tool_call>\n{BODY}\n</tool_call>"
+    assert allows(grammar, call) and allows(grammar, call + "\n")
+    assert allows(grammar, call + "\n" + call) == parallel
+
+
+def test_under_tool_choice_none_an_answer_may_open_like_a_call_and_stays_text():
+    assert allows(call_grammar(HERMES, WEATHER, "none", True), '```json\n[1, 2]\n```')
 
 
 def test_a_tool_schema_that_does_not_compile_is_refused_naming_the_tool_not_the_lark_around_it():
@@ -121,7 +199,7 @@ def test_a_call_cut_off_by_max_tokens_drops_only_that_call():
     assert [c.name for c in calls] == ["get_weather"]
     s = CallStream(HERMES, KNOWN)
     _, done = s.push(cut)
-    assert [c.name for c in done] == ["get_weather"] and s.finish(truncated=True) == ""
+    assert [c.name for c in done] == ["get_weather"] and s.finish(truncated=True) == ("", [])
 
 
 @pytest.mark.parametrize("legacy", [False, True])

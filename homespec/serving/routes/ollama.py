@@ -388,8 +388,12 @@ class _Reply:
         return out
 
     def finish(self, ev: JobEvent) -> list[dict[str, Any]]:
-        rest = self.calls.finish(truncated=ol.done_reason(ev.finish_reason) == "length") if self.calls is not None else ""
-        return ([self._obj(rest)] if rest else []) + [self._final(ev, "")]
+        rest, calls = self.calls.finish(truncated=ol.done_reason(ev.finish_reason) == "length") if self.calls is not None else ("", [])
+        out = [self._obj(rest)] if rest else []
+        if calls:  # an answer that was one call with no marker, known only at its end
+            assert self.calls is not None
+            out.append(self._obj("", ol.tool_calls(calls, start=len(self.calls.calls) - len(calls))))
+        return out + [self._final(ev, "")]
 
     def add(self, ev: JobEvent) -> None:
         self.text.append(ev.text)
