@@ -212,3 +212,17 @@ def test_an_empty_request_loads_and_one_with_keep_alive_zero_unloads_without_loa
         assert final(events).finish_reason == "load" and d.ready and len(hosts) == 2
     finally:
         d.shutdown(timeout_s=5)
+
+
+def test_a_streamed_answer_that_is_one_call_with_no_marker_ends_with_its_tool_calls() -> None:
+    """Held to its end (it opens with a brace), then sent as Ollama's tool_calls before the done object."""
+    from homespec.serving.routes.ollama import _Reply
+    from homespec.serving.tool_calls import HERMES, ToolUse
+
+    reply = _Reply(None, "chat", "m", ToolUse(HERMES, ["turn_on"], False), {}, time.perf_counter())  # type: ignore[arg-type]
+    text = '{{"name": "turn_on", "arguments": {"entity": "kitchen"}}}'
+    assert reply.push(JobEvent("delta", text=text[:9])) + reply.push(JobEvent("delta", text=text[9:])) == []
+    *sent, done = reply.finish(JobEvent("done", finish_reason="stop"))
+    (call,) = [c for chunk in sent for c in chunk["message"]["tool_calls"]]
+    assert call["function"] == {"index": 0, "name": "turn_on", "arguments": {"entity": "kitchen"}}
+    assert done["done"] and done["message"]["content"] == ""
