@@ -45,8 +45,25 @@ def test_infill_prompt_keeps_prefix_end_and_suffix_start_under_budget():
     ids = build(prefix=prefix, suffix=suffix, n_batch=64)  # prefix 3/4 * 64 = 48, suffix 64/4 - 2 = 14
     pre_part = ids[1 : ids.index(SUF)]
     suf_part = ids[ids.index(SUF) + 1 : -1]
-    assert text(pre_part) == prefix[-48:] and text(pre_part).endswith("END")
+    # Cut up to a multiple of 48 // 4 = 12 tokens: 503 - 48 = 455 -> 456, so 47 kept.
+    assert text(pre_part) == prefix[456:] and text(pre_part).endswith("END")
     assert text(suf_part) == suffix[:14] and text(suf_part).startswith("START")
+
+
+def test_a_long_prefix_is_cut_where_typing_does_not_move_the_cut_so_the_next_prompt_shares_it():
+    """Each keystroke's request then reads only its new tokens after the KV cache's (cut at
+    len - budget, as llama.cpp does, every token typed moved the whole prefix window)."""
+    code = "".join(f"x{i} = {i}\n" for i in range(100))  # 690 tokens here: over the 384 budget
+    before = build(prefix=code)
+    first_part = before[: before.index(SUF)]  # the FIM prefix marker and the prefix
+    shared = 0
+    for typed in ("y", "y =", "y = x1", "y = x1 + x2", "y = x1 + x2 + x3 + x4 + x5 + x6 + x7 + x8 + x9"):
+        after = build(prefix=code + typed)
+        if after[: len(first_part)] == first_part:  # the same cut: every token of the last prompt's prefix reused
+            shared += 1
+        pre_part = after[1 : after.index(SUF)]
+        assert text(pre_part).endswith(typed) and 384 - 64 < len(pre_part) <= 384
+    assert shared >= 4  # the cut moved at most once over these 52 tokens of typing
 
 
 def test_the_prompt_comes_out_of_the_suffix_budget():
