@@ -123,7 +123,7 @@ def _name_bad_schema(tools: Mapping[str, Mapping[str, Any]], names: Sequence[str
     """GrammarError naming the first tool whose parameters schema does not compile alone."""
     for name in names:
         try:
-            json_schema_grammar({"x-guidance": JSON_STYLE, **_object_schema(tools[name])})
+            json_schema_grammar(_object_schema(tools[name]))  # (in JSON_STYLE, as in the grammar)
         except GrammarError as e:
             reason = str(e).removeprefix("invalid grammar: ").removeprefix("invalid JSON schema: ")
             raise GrammarError(f"tool {name!r}: invalid parameters schema: {reason}") from None

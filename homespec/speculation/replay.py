@@ -92,7 +92,6 @@ class EvidenceTally:
     it copies the prompt)."""
 
     steps: int = 0
-    drafted: int = 0  # tokens
     accepted: int = 0  # tokens
     first_kept: int = 0  # steps whose first drafted token was kept
     saved_s: float = 0.0  # modelled seconds against decoding the emitted tokens plainly (< 0: lost)
@@ -107,10 +106,9 @@ def by_evidence(steps: Sequence[StepStats], pass_s: Callable[[int], float]) -> d
             continue
         t = out.setdefault(s.info.evidence, EvidenceTally())
         t.steps += 1
-        t.drafted += s.proposed
         t.accepted += s.accepted
         t.first_kept += s.accepted > 0
-        t.saved_s += (s.accepted + 1) * pass_s(1) - pass_s(s.proposed + 1)
+        t.saved_s += s.emitted * pass_s(1) - s.seconds
     return out
 
 
