@@ -425,6 +425,49 @@ def test_client_disconnect_mid_stream_stops_generation(served: Served) -> None:
     assert_served_normally(served)
 
 
+# A prompt whose prefill takes seconds on these 2 cores (~700 tokens of a 1k context).
+def _long_prompt(tag: str) -> str:
+    return f"{tag}: " + " ".join(f"item{i}" for i in range(240)) + ". How many items are there?"
+
+
+STREAMS = {
+    "openai": ("/v1/chat/completions", lambda p, m: chat_body(p, 16, stream=True)),
+    "ollama": ("/api/chat", lambda p, m: {"model": m, "messages": [{"role": "user", "content": p}], "options": {"num_predict": 16}}),
+    # The long part goes in the extra context: /infill keeps only 3/4 of a batch of the prefix.
+    "infill": ("/infill", lambda p, m: {"input_extra": [{"filename": "items.txt", "text": p}], "input_prefix": "def f(",
+                                        "input_suffix": ")\n", "n_predict": 16, "stream": True}),
+}
+
+
+@pytest.mark.parametrize("api", list(STREAMS))
+def test_a_streaming_client_that_hangs_up_during_prefill_is_cancelled_before_its_first_token(served: Served, api: str) -> None:
+    """A hang-up arrives as a bare EOF, which a stream's open response took for a half-close:
+    the prompt was read to its end and a token made for nobody while the next request waited.
+    A stream's response now starts with its first token, so the hang-up is seen during prefill."""
+    path, body = STREAMS[api]
+    wait_idle(served)
+    n_before = stats(served).speed.requests_served
+    passes_before = metric(metrics_text(served), "homespec_batch_rows_count")
+    raw = json.dumps(body(_long_prompt(f"{api} {n_before}"), served.model)).encode()  # new each time: no cached prefix
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        # Hang up once a first chunk of the prompt has been read: a stream's headers used to be out by then.
+        wait_for(lambda: metric(metrics_text(served), "homespec_batch_rows_count") > passes_before, WAIT_S, "a prompt chunk")
+        # Read what has come, as a client does: a socket closed with unread bytes sends a reset,
+        # which any server sees; a client that has read everything sends only EOF.
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while sock.recv(65536):
+                pass
+    rec = _last_request_after(served, n_before)
+    assert rec.status == "cancelled", rec
+    assert rec.completion_tokens == 0 and rec.ttft_s is None, rec
+    wait_idle(served)
+    assert_served_normally(served)
+
+
 class _Errors(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)

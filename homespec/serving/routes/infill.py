@@ -60,6 +60,7 @@ async def infill(request: Request, body: ia.InfillRequest) -> Any:
             raise job_error(first)
         answer = _Answer(daemon, body, gen, first)
         if body.stream:
+            await bridge.first_output(request, job)
             return EventSourceResponse(_stream(request, bridge, job, answer), sep="\n", ping=daemon.cfg.server.sse_ping_s)
         while True:
             ev = await bridge.next(request, job)

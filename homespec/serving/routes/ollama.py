@@ -310,6 +310,7 @@ async def _answer(request: Request, body: ol.ChatRequest | ol.GenerateRequest, j
             raise job_error(first)
         reply = _Reply(daemon, kind, body.model, tools, first.extra, t0)
         if body.stream and job.encode is not None:
+            await bridge.first_output(request, job)
             return StreamingResponse(_ndjson(request, bridge, job, reply), media_type=NDJSON)
         while True:
             ev = await bridge.next(request, job)

@@ -143,7 +143,7 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str
 
 
 async def run(request: Request, body: oa._Common, job: Job, kind: Kind, tools: ToolUse | None = None) -> Any:
-    """Queue the job and answer: one JSON body, or an event stream once the job has started."""
+    """Queue the job and answer: one JSON body, or an event stream from its first token on."""
     bridge = submit(request, job)
     try:
         return await _answer(request, body, job, kind, bridge, tools)
@@ -162,6 +162,7 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
     meta = first.extra
     lps = _Logprobs(kind) if job.request.logprobs is not None else None
     if body.stream:
+        await bridge.first_output(request, job)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, tools, lps)
         return EventSourceResponse(events, sep="\n", ping=daemon.cfg.server.sse_ping_s)  # 0: no ": ping" lines
