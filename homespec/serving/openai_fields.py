@@ -79,7 +79,7 @@ CHAT: dict[str, Rule] = {
     "service_tier": _ignored("there is one tier"),
     "stop": _STOP,
     "store": _ignored("nothing is stored"),
-    "stream": _same("server-sent events, `data:` lines only (no comment pings unless server.sse_ping_s)"),
+    "stream": _same("server-sent events, `data:` lines only, from the first token (no comment pings unless server.sse_ping_s)"),
     "stream_options": _STREAM_OPTIONS,
     "temperature": _same(""),
     "tool_choice": _same("constrained decoding"),
