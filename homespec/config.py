@@ -270,7 +270,8 @@ class ServerConfig(_Strict):
     max_connections: int = Field(512, ge=8, le=60_000, description="Open HTTP connections at most")
     # Off: some OpenAI-compatible clients read every non-empty line of a stream as `data:` and
     # choke on the `: ping` comment lines; a token stream sends data often anyway. Set it for a
-    # proxy that closes connections idle longer than its timeout (a long prompt's prefill).
+    # proxy that closes connections idle longer than its timeout (a long prompt's prefill): a
+    # stream then starts at once rather than with its first token (Bridge.first_output).
     sse_ping_s: float = Field(0, ge=0, le=3600, description="Seconds between keep-alive comments on a stream (0 = none)")
 
     @field_validator("api_key")

@@ -5,6 +5,12 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
+from homespec.config import Config
+from homespec.serving.daemon import Job, JobEvent
+from homespec.serving.host import build_request
+from homespec.serving.openai_api import ApiError
 from homespec.serving.routes.common import Bridge
 
 
@@ -42,3 +48,47 @@ def test_events_posted_together_from_another_thread_arrive_in_order_in_one_wake_
     got, wakeups = asyncio.run(main())
     assert got == [[0, 1, 2, 3, 9]] * 3
     assert wakeups == 2
+
+
+class _Request:
+    """What Bridge.next asks of a request: its app's drain deadline and whether its client left."""
+
+    app = type("App", (), {"state": type("State", (), {})()})()
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def _job() -> Job:
+    return Job(build_request(Config()), sink=lambda ev: None, encode=None)
+
+
+def test_first_output_waits_for_the_first_event_and_leaves_it_for_next() -> None:
+    async def main() -> list[str]:
+        bridge = Bridge()
+        bridge.sink(JobEvent("delta", text="Hel"))
+        bridge.sink(JobEvent("delta", text="lo"))
+        await bridge.first_output(_Request(), _job())  # type: ignore[arg-type]
+        return [(await bridge.next(_Request(), _job())).text, (await bridge.next_or_cut(_Request())).text]  # type: ignore[arg-type, union-attr]
+
+    assert asyncio.run(main()) == ["Hel", "lo"]
+
+
+def test_an_error_before_the_first_token_is_raised_as_its_http_status() -> None:
+    async def main() -> None:
+        bridge = Bridge()
+        bridge.sink(JobEvent("error", text="prompt too long", status=400, code="context_length_exceeded"))
+        await bridge.first_output(_Request(), _job())  # type: ignore[arg-type]
+
+    with pytest.raises(ApiError) as e:
+        asyncio.run(main())
+    assert (e.value.status, e.value.code) == (400, "context_length_exceeded")
+
+
+def test_a_stream_with_keep_alive_pings_starts_without_waiting() -> None:
+    async def main() -> bool:
+        bridge = Bridge()
+        await asyncio.wait_for(bridge.first_output(_Request(), _job(), pings=True), 1)  # type: ignore[arg-type]
+        return bridge.queue.empty() and bridge._held is None
+
+    assert asyncio.run(main())

@@ -242,7 +242,7 @@ class Bridge:
             except asyncio.TimeoutError:
                 continue
 
-    async def first_output(self, request: Request, job: Job) -> None:
+    async def first_output(self, request: Request, job: Job, pings: bool = False) -> None:
         """Wait for the job's first output (a token, its end or an error) before a stream's
         response starts; the event stays for next().
 
@@ -250,7 +250,13 @@ class Bridge:
         protocol can tell them apart only while no response has started (GuardedH11Protocol).
         Started at once, a stream hid a hang-up until its first token was written: the whole
         prompt was read for nobody while the next request waited (7.7-9.3 s for 750-900 tokens
-        here). Waiting also lets an error before the first token be an HTTP status."""
+        here). Waiting also lets an error before the first token be an HTTP status.
+
+        pings: the stream sends keep-alive comments (server.sse_ping_s), so it starts at once:
+        they are there to keep a proxy from closing it during a long prefill, and a ping
+        written to a client that left draws the reset that shows it gone."""
+        if pings:
+            return
         if self._held is None:
             self._held = await self.next(request, job)
         if self._held.kind == "error":

@@ -60,7 +60,7 @@ async def infill(request: Request, body: ia.InfillRequest) -> Any:
             raise job_error(first)
         answer = _Answer(daemon, body, gen, first)
         if body.stream:
-            await bridge.first_output(request, job)
+            await bridge.first_output(request, job, pings=daemon.cfg.server.sse_ping_s > 0)
             return EventSourceResponse(_stream(request, bridge, job, answer), sep="\n", ping=daemon.cfg.server.sse_ping_s)
         while True:
             ev = await bridge.next(request, job)

@@ -162,7 +162,7 @@ async def _answer(request: Request, body: oa._Common, job: Job, kind: Kind, brid
     meta = first.extra
     lps = _Logprobs(kind) if job.request.logprobs is not None else None
     if body.stream:
-        await bridge.first_output(request, job)
+        await bridge.first_output(request, job, pings=daemon.cfg.server.sse_ping_s > 0)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _stream(request, daemon, bridge, job, kind, rid, model, meta, include_usage, tools, lps)
         return EventSourceResponse(events, sep="\n", ping=daemon.cfg.server.sse_ping_s)  # 0: no ": ping" lines
