@@ -11,7 +11,7 @@ from homespec.config import Config
 from homespec.serving.daemon import Job, JobEvent
 from homespec.serving.host import build_request
 from homespec.serving.openai_api import ApiError
-from homespec.serving.routes.common import Bridge
+from homespec.serving.routes.common import Bridge, ClientGone
 
 
 def test_events_posted_together_from_another_thread_arrive_in_order_in_one_wake_up() -> None:
@@ -51,12 +51,17 @@ def test_events_posted_together_from_another_thread_arrive_in_order_in_one_wake_
 
 
 class _Request:
-    """What Bridge.next asks of a request: its app's drain deadline and whether its client left."""
+    """What Bridge.next asks of a request: its app's drain deadline, and its ASGI receive (with
+    the body read, only http.disconnect is left to come, once the client has gone)."""
 
     app = type("App", (), {"state": type("State", (), {})()})()
 
-    async def is_disconnected(self) -> bool:
-        return False
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
 
 
 def _job() -> Job:
@@ -68,8 +73,9 @@ def test_first_output_waits_for_the_first_event_and_leaves_it_for_next() -> None
         bridge = Bridge()
         bridge.sink(JobEvent("delta", text="Hel"))
         bridge.sink(JobEvent("delta", text="lo"))
-        await bridge.first_output(_Request(), _job())  # type: ignore[arg-type]
-        return [(await bridge.next(_Request(), _job())).text, (await bridge.next_or_cut(_Request())).text]  # type: ignore[arg-type, union-attr]
+        request, job = _Request(), _job()
+        await bridge.first_output(request, job)  # type: ignore[arg-type]
+        return [(await bridge.next(request, job)).text, (await bridge.next_or_cut(request)).text]  # type: ignore[arg-type, union-attr]
 
     assert asyncio.run(main()) == ["Hel", "lo"]
 
@@ -92,3 +98,21 @@ def test_a_stream_with_keep_alive_pings_starts_without_waiting() -> None:
         return bridge.queue.empty() and bridge._held is None
 
     assert asyncio.run(main())
+
+
+def test_a_hang_up_ends_the_wait_for_the_next_event_and_cancels_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen as it happens, not at the next look: with the drain check a minute apart, the wait
+    must still end on the hang-up."""
+    monkeypatch.setattr(Bridge, "CHECK_S", 60.0)
+    job = _job()
+
+    async def main() -> None:
+        bridge, request = Bridge(), _Request()
+        bridge.sink(JobEvent("delta", text="Hel"))
+        assert (await bridge.next(request, job)).text == "Hel"  # type: ignore[arg-type]
+        asyncio.get_running_loop().call_later(0.05, request.gone.set)
+        await asyncio.wait_for(bridge.next(request, job), 10)  # type: ignore[arg-type]
+
+    with pytest.raises(ClientGone):
+        asyncio.run(main())
+    assert job.cancelled.is_set()

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.types import Receive
 
 from homespec.config import Config
 from homespec.serving import openai_api as oa
@@ -72,6 +73,13 @@ def drain_deadline_passed(request: Request) -> bool:
 
 class ClientGone(Exception):
     """The client hung up while its answer was being generated; nobody is left to answer."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has disconnected: with the request's body read, the only message
+    left to receive is http.disconnect (uvicorn sends it when the connection is lost)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def job_error(ev: JobEvent) -> oa.ApiError:
@@ -208,39 +216,53 @@ def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
 class Bridge:
     """Worker-thread events -> an asyncio queue in the request's loop."""
 
-    CHECK_S = 0.5  # how often a waiting handler asks whether its client is still there
+    CHECK_S = 0.5  # how often a waiting handler looks at SIGTERM's drain bound
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[JobEvent] = asyncio.Queue()
-        self._checked = self.loop.time()
         self._mailbox = _mailbox(self.loop)
         self._held: JobEvent | None = None  # read by first_output, not yet taken
+        self._gone: asyncio.Future[None] | None = None  # done when the client has disconnected (next)
 
     def sink(self, ev: JobEvent) -> None:
         self._mailbox.post(self.queue, ev)
 
     async def next(self, request: Request, job: Job) -> JobEvent:
         """The next event, cancelling the job if the client disconnects meanwhile (ClientGone)
-        or the drain bound passes (a 503 ApiError). The check runs every CHECK_S whether or not
-        events keep arriving: a fast generation that never lets the queue run dry must notice a
-        hang-up too."""
+        or the drain bound passes (a 503 ApiError).
+
+        The hang-up is awaited beside the queue, so it is seen as it happens. Asked every half
+        second, it left a request whose client had gone running on beside the requests that
+        came after it, as an editor's autocomplete abandons one at every keystroke. Between
+        events it is looked at before each one, so a generation that never lets the queue run
+        dry notices too."""
         if self._held is not None:
             ev, self._held = self._held, None
             return ev
+        if self._gone is None:
+            self._gone = asyncio.ensure_future(_disconnected(request.receive))
         while True:
             if drain_deadline_passed(request):
                 job.cancel()
                 raise shutting_down_error()
-            if self.loop.time() - self._checked >= self.CHECK_S:
-                self._checked = self.loop.time()
-                if await request.is_disconnected():
-                    job.cancel()
-                    raise ClientGone()
-            try:
-                return await asyncio.wait_for(self.queue.get(), timeout=self.CHECK_S)
-            except asyncio.TimeoutError:
-                continue
+            if self._gone.done():
+                job.cancel()
+                raise ClientGone()
+            get = asyncio.ensure_future(self.queue.get())
+            done, _ = await asyncio.wait((get, self._gone), timeout=self.CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                ev = get.result()
+                if ev.kind in ("done", "error"):
+                    self._unwatch()
+                return ev
+            get.cancel()  # an event it had taken stays queued: Queue.get takes it only once resumed
+
+    def _unwatch(self) -> None:
+        """Stop waiting for the hang-up (the answer is complete, or a stream's response, which
+        notices it itself, takes over)."""
+        if self._gone is not None and not self._gone.done():
+            self._gone.cancel()
 
     async def first_output(self, request: Request, job: Job, pings: bool = False) -> None:
         """Wait for the job's first output (a token, its end or an error) before a stream's
@@ -259,6 +281,7 @@ class Bridge:
             return
         if self._held is None:
             self._held = await self.next(request, job)
+        self._unwatch()
         if self._held.kind == "error":
             raise job_error(self._held)
 
