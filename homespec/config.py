@@ -306,6 +306,9 @@ class MemoryConfig(_Strict):
     keep_alive_s: float | None = Field(None, gt=0, description="Unload models after this idle time")
     # Prefix cache: saved KV states of recent conversations, beyond the live one.
     prefix_cache_mib: int = Field(512, ge=0, description="Memory for saved conversation caches")
+    # On: a restart (an update, a reboot) does not read every app's long system prompt again;
+    # up to prefix_cache_mib of disk in the state folder, written when the daemon stops.
+    prefix_cache_persist: bool = Field(True, description="Keep the saved conversation caches on disk across restarts")
 
 
 class Config(_Strict):

@@ -18,3 +18,14 @@ def require(path: Path) -> Path:
     if not path.exists():
         pytest.fail(f"{path.name} missing: run `homespec models pull --with-test-models`")
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_folder(tmp_path_factory: pytest.TempPathFactory):
+    """The daemon's state folder (checksums of `path:` models, the prompt cache kept across
+    restarts) is a temporary one: a test must neither read nor replace a user's. Daemons that
+    tests start as processes inherit it."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HOMESPEC_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+    yield
+    mp.undo()

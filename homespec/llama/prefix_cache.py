@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -142,6 +142,39 @@ class PrefixCache:
         self.restores += 1
         log.debug("restored a saved cache of %d tokens (%d shared with the prompt)", len(entry.tokens), best_len)
         return best_len
+
+    def saved(self) -> list[tuple[list[int], memoryview]]:
+        """The saved histories, least recently used first: (tokens, state bytes), for the disk
+        (prefix_store.save); the views are valid until the cache changes."""
+        return [(e.tokens, memoryview(e.state.buf)[: e.state.size]) for e in self._entries.values()]
+
+    def newest(self) -> tuple[list[int], KvState] | None:
+        """The most recently used history (tokens, state), or None."""
+        if not self._entries:
+            return None
+        e = next(reversed(self._entries.values()))
+        return e.tokens, e.state
+
+    def adopt(self, tokens: Sequence[int], size: int, fill: Callable[[StateBuffer], None]) -> bool:
+        """Take in a history read back from disk, as the most recently used: `fill` writes its
+        state (`size` bytes) into a block of the arena. False where it does not fit the budget
+        (older ones are evicted for it, as for any save)."""
+        from homespec.llama.runtime import KvState  # (llama_cpp only where states are real)
+
+        if self._arena is None or _entry_bytes(block_size(size), len(tokens)) > self.budget:
+            return False
+        block = self._alloc(size)
+        if block is None:
+            return False
+        try:
+            fill(block)
+        except BaseException:
+            self._release(block)
+            raise
+        self._entries[self._next_id] = _Entry(list(tokens), KvState(block, size))
+        self._next_id += 1
+        self._fit()
+        return True
 
     def stash(self, rt: _StatefulRuntime) -> None:
         """Save rt's cache (if long enough) before the caller empties it."""

@@ -49,10 +49,10 @@ from typing import Any, Literal
 import numpy as np
 
 from homespec.errors import ModelError
-from homespec.llama.cpu_build import require_matching_build
+from homespec.llama.cpu_build import installed_package_dir, read_stamp, require_matching_build
 from homespec.llama.fim import FimTokens
 from homespec.llama.gguf_info import KvType
-from homespec.llama.kernels import fix_tiled_matmul
+from homespec.llama.kernels import fix_tiled_matmul, tiled_matmul_in_effect
 from homespec.tokens import common_prefix
 
 require_matching_build()  # before llama.cpp loads: a build for another CPU dies with SIGILL
@@ -656,6 +656,18 @@ class Runtime:
 
     def model_bytes(self) -> int:
         return int(llama_cpp.llama_model_size(self._model))
+
+    def state_identity(self) -> dict[str, Any]:
+        """What a saved KV state of this model means only together with (prefix_store.py):
+        llama.cpp checks a state's layout when it loads it, not the weights (the file: path,
+        size, time), the build that computed it, or the kernel settings that change its values'
+        last bits (exact mode depends on those)."""
+        st = self.path.stat()
+        pkg = installed_package_dir()
+        return {"model": str(self.path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "llama_cpp": llama_cpp.__version__, "build": read_stamp(pkg) if pkg is not None else None,
+                "kv_type": self.opts.kv_type, "flash_attn": self.opts.flash_attn, "repack": self.opts.repack,
+                "n_gpu_layers": self.opts.n_gpu_layers, "tiled_matmul": tiled_matmul_in_effect()}
 
     # -- lifetime -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import psutil
@@ -27,7 +28,7 @@ from homespec import __version__
 from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
-from homespec.models.fetch import resolve_model_path
+from homespec.models.fetch import resolve_model_path, state_dir
 from homespec.models.loader import ModelSet
 from homespec.models.memory import LoadPlan, kv_cells, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
@@ -41,6 +42,16 @@ from homespec.speculation.sampling import TokenLogprob
 from homespec.speculation.target import Target
 
 log = logging.getLogger("homespec.serving.daemon")
+
+
+# Seconds a stop spends writing the prefix cache to disk at most: systemd's TimeoutStopSec
+# leaves 25 s after the drain (systemd.STOP_MARGIN_S) for this, unloading and exiting.
+PERSIST_BUDGET_S = 10.0
+
+
+def prompt_cache_dir() -> Path:
+    """Where the prefix cache is kept across restarts (memory.prefix_cache_persist)."""
+    return state_dir() / "prompt-cache"
 
 
 
@@ -192,6 +203,7 @@ class Daemon:
         if self.watcher is not None:
             self.watcher.stop()
         if self.session is not None:
+            self._persist_prefixes(self.session)
             self.session.close()
             self.session = None
         return finished
@@ -445,6 +457,7 @@ class Daemon:
         except BaseException:
             session.close()  # a half-ready session must not hold the models' memory
             raise
+        self._restore_prefixes(session)
         self._progress = time.monotonic()
         self.warmup_s = session.warmup_s
         self.template_source = session.models.template.source
@@ -484,11 +497,39 @@ class Daemon:
         # State first: a reader that finds no session (ps, loaded) must also find "unloaded", and
         # dropping the session frees the models and the prefix cache's memory, which takes a while.
         self.state = "unloaded"
+        self._persist_prefixes(self.session)
         self.session.close()
         self.session = None
         self.metrics.warm.set(0)
         self.metrics.model_loaded.labels("target").set(0)
         self.metrics.model_loaded.labels("draft").set(0)
+
+    def _restore_prefixes(self, session: Host) -> None:
+        """The conversation caches the last run left on disk (memory.prefix_cache_persist)."""
+        if not self.cfg.memory.prefix_cache_persist:
+            return
+        t0 = time.perf_counter()
+        try:
+            n = session.restore_prefixes(prompt_cache_dir())
+        except (OSError, ValueError) as e:  # a state folder we cannot read costs a cold start, no more
+            log.warning("saved prompt caches not read: %s", e)
+            return
+        if n:
+            log.info("prefix cache: %d saved conversation(s) read back in %.1f s", n, time.perf_counter() - t0)
+
+    def _persist_prefixes(self, session: Host) -> None:
+        """Write the conversation caches for the next start; a failure (a full disk, a read-only
+        state folder) is logged and the stop goes on."""
+        if not self.cfg.memory.prefix_cache_persist or self.state == "failed":
+            return
+        t0 = time.perf_counter()
+        try:
+            n = session.persist_prefixes(prompt_cache_dir(), PERSIST_BUDGET_S)
+        except OSError as e:
+            log.warning("prefix cache not saved for the next start: %s", e)
+            return
+        if n:
+            log.info("prefix cache: %d conversation(s) saved for the next start in %.1f s", n, time.perf_counter() - t0)
 
     def loaded(self) -> bool:
         return self.session is not None and self.state == "ready"

@@ -13,10 +13,12 @@ import logging
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from homespec.config import Config, Mode, override
 from homespec.errors import UserError
+from homespec.llama import prefix_store
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.models.loader import ModelSet, load_model_set
 from homespec.speculation.batch import Batch
@@ -229,6 +231,45 @@ class Host:
         self.models.target.slot(slot).reset()
         if self.models.draft is not None:
             self.models.draft.slot(slot).reset()
+
+    # -- the prefix cache across restarts -----------------------------------------------------
+
+    def persist_prefixes(self, root: Path, budget_s: float | None = None) -> int:
+        """Write the saved histories, and the live ones of every KV sequence, under root for the
+        next start (prefix_store.py; the most recent first, for at most budget_s seconds);
+        returns how many. Nothing without a prefix cache."""
+        if self.prefix_cache is None:
+            return 0
+        for s in range(self.slots):
+            self.prefix_cache.stash(self.models.target.slot(s))
+        return prefix_store.save(root, self._state_key(), self.prefix_cache.saved(), budget_s)
+
+    def restore_prefixes(self, root: Path) -> int:
+        """Read back what persist_prefixes wrote for this model, build and settings; returns how
+        many histories the prefix cache took. llama.cpp checks a state only when it loads one,
+        so the newest is loaded once here: a state it refuses is found now, not in a request."""
+        if self.prefix_cache is None:
+            return 0
+        for h in prefix_store.read(root, self._state_key()):
+            self.prefix_cache.adopt(h.tokens, h.size, h.fill)
+        n = len(self.prefix_cache)
+        newest = self.prefix_cache.newest()
+        if newest is not None:
+            rt = self.models.target.slot(0)
+            try:
+                rt.load_state(newest[1], newest[0])
+            except RuntimeError as e:
+                log.warning("saved prompt caches under %s not used: %s", root, e)
+                self.prefix_cache.clear()
+                n = 0
+            finally:
+                rt.reset()
+        return n
+
+    def _state_key(self) -> str:
+        ident = self.models.target.state_identity()
+        ident["exact"] = self.cfg.runtime.exact
+        return prefix_store.fingerprint(ident)
 
     # -- several requests at once ------------------------------------------------------------
 

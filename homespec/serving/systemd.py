@@ -48,7 +48,8 @@ TIMEOUT_START_S = 300  # seconds
 # slow step (~1 s verify, ~13 s prefill chunk on 2 cores) never delays them; 30 s only has to
 # absorb scheduling stalls under memory pressure. Hang detection is the server's health check.
 WATCHDOG_S = 30  # seconds
-# After drain_timeout_s the server still cancels, unloads and exits: allow this much on top.
+# After drain_timeout_s the server still cancels, writes its prefix cache to disk (at most
+# daemon.PERSIST_BUDGET_S, 10 s), unloads and exits: allow this much on top.
 STOP_MARGIN_S = 25  # seconds
 RESTART_S = 5  # seconds
 # Five failed starts in ten minutes: stop retrying (each start re-reads GBs of weights).

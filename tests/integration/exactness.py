@@ -28,6 +28,8 @@ class Recording:
         out = self.rt.eval(tokens, output)
         if output == "all":
             self.rows += [(start + i, out[i]) for i in range(len(tokens))]
+        elif output == "last" and len(tokens):  # a prompt: the row its first answer token comes from
+            self.rows.append((start + len(tokens) - 1, out[-1]))
         return out
 
     def __getattr__(self, name):

@@ -52,7 +52,8 @@ def server_config(**server: object) -> Config:
         sampling=SamplingDefaults(max_tokens=64),
         # The memory policy is not under test here: never shed the draft because another
         # engineer's job happens to use RAM at the same time.
-        memory=MemoryConfig(reserve_mib=0),
+        # Nor kept across daemons: each test's daemon starts from what its own requests leave.
+        memory=MemoryConfig(reserve_mib=0, prefix_cache_persist=False),
         server=ServerConfig(
             queue_depth=QUEUE_DEPTH, max_body_bytes=MAX_BODY, request_timeout_s=300, drain_timeout_s=20, **server
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from homespec.llama import prefix_store
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.llama.template import ChatTemplate
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
@@ -44,7 +45,8 @@ def assert_same_or_near_tie(target_rt, prompt, warm_text, epsilon):
         return
     j = first_divergence(cold, warm)
     rows = dict(rec.rows)
-    m = margin(rows[len(prompt) + j - 1]) if j else None
+    # (j == 0 is the first answer token, whose logits come from the prompt's last row)
+    m = margin(rows[len(prompt) + j - 1]) if j is not None and len(prompt) + j - 1 in rows else None
     # 2 epsilon: noise on both top logits can flip a margin up to twice the noise of one logit.
     assert m is not None and m < 2 * epsilon, f"warm output diverged at token {j}, cold margin {m} >= 2 epsilon ({2 * epsilon})"
 
@@ -84,6 +86,26 @@ def test_restored_saved_state_continues_exactly_like_the_live_cache(target_rt, e
     assert len(cache) == 1
     text, st = run(eng, cache, prompt_a)  # A restored from its saved state
     assert cache.restores == 1 and st.cached_tokens == len(prompt_a) - 1
+    assert_same_or_near_tie(target_rt, prompt_a, text, epsilon)
+
+
+@pytest.mark.integration
+def test_a_state_saved_to_disk_restores_in_a_new_cache_and_continues_like_the_live_one(target_rt, epsilon, tmp_path):
+    """A restart: the histories written at stop are read into a fresh prefix cache and one is
+    loaded into llama.cpp (prefix_store.py)."""
+    target_rt.reset()
+    eng, cache = Engine(target_rt), PrefixCache(256 << 20, min_tokens=64)
+    prompt_a = chat_tokens(target_rt, SYSTEM_A, ["Name two door sensors."])
+    run(eng, cache, prompt_a)
+    run(eng, cache, chat_tokens(target_rt, SYSTEM_B, ["A rhyme about roses."]))  # A is saved
+    key = prefix_store.fingerprint(target_rt.state_identity())
+    assert prefix_store.save(tmp_path, key, cache.saved()) == 1
+    restarted = PrefixCache(256 << 20, min_tokens=64)
+    for h in prefix_store.read(tmp_path, key):
+        assert restarted.adopt(h.tokens, h.size, h.fill)
+    target_rt.reset()
+    text, st = run(eng, restarted, prompt_a)
+    assert restarted.restores == 1 and st.cached_tokens == len(prompt_a) - 1
     assert_same_or_near_tie(target_rt, prompt_a, text, epsilon)
 
 

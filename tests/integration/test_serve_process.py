@@ -228,3 +228,28 @@ def test_missing_model_file_is_refused_at_start_with_one_line_and_exit_2(tmp_pat
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr and "nope.gguf" in lines[0], p.stderr
+
+
+def test_a_restarted_daemon_reads_the_prompts_of_its_last_run_from_disk(tmp_path: Path, start, monkeypatch) -> None:
+    """memory.prefix_cache_persist: what the prefix cache held at SIGTERM comes back at the next
+    start, so an app's long system prompt is not read again after an update or a reboot."""
+    monkeypatch.setenv("HOMESPEC_STATE_DIR", str(tmp_path / "state"))
+    config = write_config(tmp_path, 20)
+    system = "You control the lights of a house with twelve rooms. " * 20
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": DAYS}], "max_tokens": 8,
+            "homespec": {"speculation": "off"}}
+    answers = []
+    for run in range(2):
+        d = start(config)
+        d.wait_ready()
+        r = httpx.post(f"{d.url}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=20 + EXIT_MARGIN_S) == 0, d.log()[-3000:]
+        log = d.log()
+        assert "conversation(s) saved for the next start" in log and "Traceback" not in log, log[-3000:]
+        assert ("saved conversation(s) read back" in log) == (run == 1), log[-3000:]
+    usage = [a["usage"] for a in answers]
+    assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0, usage
+    assert usage[1]["prompt_tokens_details"]["cached_tokens"] == usage[1]["prompt_tokens"] - 1, usage

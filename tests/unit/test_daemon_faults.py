@@ -43,6 +43,12 @@ class FakeHost:
     def warmup(self) -> None:
         pass
 
+    def restore_prefixes(self, root: Any) -> int:
+        return 0  # no prefix cache
+
+    def persist_prefixes(self, root: Any, budget_s: float | None = None) -> int:
+        return 0
+
     slots = 1
 
     def pick_slot(self, tokens: list[int], free: list[int]) -> int:

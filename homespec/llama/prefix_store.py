@@ -1,0 +1,137 @@
+"""The prefix cache on disk: saved conversation caches kept across a restart of the daemon.
+
+A home server restarts (an update, a reboot, systemd after a crash) and its first requests are
+then read cold: Home Assistant's first voice command reads its whole system prompt and tool list
+again, ~1,400 tokens and 16 s on 2 cores, where the next ones take 2 s. So the daemon writes its
+saved histories (and the live ones of its KV sequences) here when it stops or unloads the
+models, and reads them back into the prefix cache's memory when it has warmed up.
+
+A state is llama.cpp's serialisation of one sequence's KV cells (llama_state_seq_get_data). It is
+only meaningful to the same model with the same build and the same kernels: llama.cpp checks the
+layout when it loads one (layers, types, V transposed or not), but not the weights, and another
+build's or another kernel choice's values differ in their last bits, which exact mode rules out.
+So every file carries a fingerprint of all that (`fingerprint`), and a file whose fingerprint is
+not this daemon's is never loaded. Each fingerprint has its own folder, so two configurations
+sharing a state folder do not overwrite each other.
+
+One file per history: a magic, a JSON header (fingerprint, token count, state size), the tokens
+(int32), then the state bytes. Written to a temporary name and renamed, so a daemon killed while
+writing leaves no torn file; a file that is cut short or garbled anyway is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("homespec.llama.prefix_store")
+
+MAGIC = b"HSKV0001"
+SUFFIX = ".kv"
+_HEADER_LEN = struct.Struct("<I")
+
+
+def fingerprint(identity: Mapping[str, Any]) -> str:
+    """A short digest of what a saved state depends on (model file, build, kernel settings)."""
+    text = json.dumps(dict(identity), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A history found on disk; `fill(buf)` reads its state into buf (>= size bytes)."""
+
+    tokens: list[int]
+    size: int  # bytes of state
+    fill: Callable[[Any], None]
+
+
+def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryview]], budget_s: float | None = None) -> int:
+    """Write `histories` (tokens, state bytes; least recently used first) as this fingerprint's
+    files, replacing what was there; returns how many were written. The most recent go first,
+    and after the first none is begun once budget_s seconds have passed: a service manager kills a stop that
+    takes too long (systemd's TimeoutStopSec), and a slow SD card writes ~20 MB a second."""
+    t0 = time.monotonic()
+    folder = root / key
+    # They hold recent conversations (the tokens are the prompts' text): the daemon's user only.
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for tmp in folder.glob(".*.tmp"):  # a stop killed while writing
+        tmp.unlink(missing_ok=True)
+    keep: set[str] = set()
+    now = time.time()
+    for rank, (tokens, state) in enumerate(reversed(histories)):
+        if rank and budget_s is not None and time.monotonic() - t0 > budget_s:
+            log.warning("prompt cache: %d older conversation(s) not saved: past %.0f s", len(histories) - rank, budget_s)
+            break
+        toks = np.asarray(tokens, dtype="<i4")
+        name = hashlib.sha256(toks.tobytes()).hexdigest()[:24] + SUFFIX
+        header = json.dumps({"fingerprint": key, "tokens": len(toks), "state_bytes": len(state)}).encode()
+        tmp = folder / f".{name}.{os.getpid()}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(MAGIC)
+            f.write(_HEADER_LEN.pack(len(header)))
+            f.write(header)
+            f.write(toks.tobytes())
+            f.write(state)
+        # Their times are their order of use, the most recent latest, so that reading them back
+        # in that order leaves the most recent the most recently used again (spelled out a
+        # millisecond apart: a coarse file system's own times could tie).
+        stamp = now - rank * 1e-3
+        os.utime(tmp, (stamp, stamp))
+        os.replace(tmp, folder / name)
+        keep.add(name)
+    for old in folder.glob("*" + SUFFIX):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+    return len(keep)
+
+
+def read(root: Path, key: str) -> Iterator[Saved]:
+    """This fingerprint's histories, least recently used first. Files that are not whole, or
+    say another fingerprint, are skipped (with a warning: they are not ours to delete)."""
+    folder = root / key
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime_ns):
+        try:
+            saved = _open(path, key)
+        except (OSError, ValueError) as e:
+            log.warning("skipping a saved prompt cache: %s: %s", path, e)
+            continue
+        yield saved
+
+
+def _open(path: Path, key: str) -> Saved:
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise ValueError("not a homespec prompt cache file")
+        (n,) = _HEADER_LEN.unpack(f.read(_HEADER_LEN.size))
+        header = json.loads(f.read(n))
+        if header.get("fingerprint") != key:
+            raise ValueError("made by another model, build or kernel setting")
+        n_tokens, size = int(header["tokens"]), int(header["state_bytes"])
+        raw = f.read(4 * n_tokens)
+        offset = f.tell()
+    if len(raw) != 4 * n_tokens or path.stat().st_size != offset + size:
+        raise ValueError("cut short")
+    tokens = np.frombuffer(raw, dtype="<i4").tolist()
+
+    def fill(buf: Any) -> None:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            view = memoryview(buf)[:size]
+            if f.readinto(view) != size:
+                raise ValueError(f"{path}: cut short")
+
+    return Saved(tokens, size, fill)
