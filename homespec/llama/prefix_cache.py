@@ -131,7 +131,12 @@ class PrefixCache:
         self._save_live(rt, keep=live, held=entry.nbytes if entry is not None else 0)
         if entry is None:
             return live
-        rt.load_state(entry.state, entry.tokens)
+        try:
+            rt.load_state(entry.state, entry.tokens)
+        except RuntimeError as e:  # llama.cpp refused it (a state read from disk): read the prompt instead
+            log.warning("a saved cache of %d tokens was refused and dropped: %s", len(entry.tokens), e)
+            self._release(entry.state.buf)
+            return 0
         if len(entry.tokens) - best_len < self.min_tokens:
             self._release(entry.state.buf)  # the slot takes it over (and saves it again, grown, when it leaves)
         else:

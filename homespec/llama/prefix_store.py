@@ -36,6 +36,10 @@ import numpy as np
 
 log = logging.getLogger("homespec.llama.prefix_store")
 
+# Another fingerprint's files untouched this long are removed at a save: two configurations used
+# in turn keep theirs, an old model's go.
+STALE_S = 14 * 24 * 3600  # seconds
+
 MAGIC = b"HSKV0001"
 SUFFIX = ".kv"
 _HEADER_LEN = struct.Struct("<I")
@@ -94,7 +98,22 @@ def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryvi
     for old in folder.glob("*" + SUFFIX):
         if old.name not in keep:
             old.unlink(missing_ok=True)
+    _forget_stale(root, key)
     return len(keep)
+
+
+def _forget_stale(root: Path, key: str) -> None:
+    """Remove other fingerprints' folders left untouched for STALE_S: a replaced model file or
+    llama.cpp build never reads them again, and each may hold the cache's whole budget."""
+    cutoff = time.time() - STALE_S
+    for folder in root.iterdir():
+        if folder.name == key or not folder.is_dir():
+            continue
+        files = list(folder.glob("*" + SUFFIX))
+        if all(f.stat().st_mtime < cutoff for f in files):
+            for f in folder.iterdir():
+                f.unlink(missing_ok=True)
+            folder.rmdir()
 
 
 def read(root: Path, key: str) -> Iterator[Saved]:

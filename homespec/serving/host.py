@@ -250,8 +250,10 @@ class Host:
         so the newest is loaded once here: a state it refuses is found now, not in a request."""
         if self.prefix_cache is None:
             return 0
+        n_ctx = self.models.target.n_ctx
         for h in prefix_store.read(root, self._state_key()):
-            self.prefix_cache.adopt(h.tokens, h.size, h.fill)
+            if len(h.tokens) < n_ctx:  # (a context made smaller since has no room for the others)
+                self.prefix_cache.adopt(h.tokens, h.size, h.fill)
         n = len(self.prefix_cache)
         newest = self.prefix_cache.newest()
         if newest is not None:

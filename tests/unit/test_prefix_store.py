@@ -3,6 +3,8 @@ is restored by the next one, and only by a daemon of the same model, build and s
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 from homespec.llama import prefix_store
@@ -112,3 +114,32 @@ def test_a_file_left_half_written_by_a_killed_stop_is_cleared_at_the_next(tmp_pa
     (tmp_path / KEY / ".abc.kv.123.tmp").write_bytes(b"half")
     _stopped_daemon(tmp_path)
     assert not list((tmp_path / KEY).glob("*.tmp"))
+
+
+def test_another_fingerprints_folder_untouched_for_weeks_is_removed_at_a_save(tmp_path: Path) -> None:
+    old_key = prefix_store.fingerprint({"model": "/models/old.gguf"})
+    recent_key = prefix_store.fingerprint({"model": "/models/recent.gguf"})
+    _stopped_daemon(tmp_path, old_key)
+    _stopped_daemon(tmp_path, recent_key)
+    weeks_ago = time.time() - prefix_store.STALE_S - 60
+    for f in (tmp_path / old_key).iterdir():
+        os.utime(f, (weeks_ago, weeks_ago))
+    _stopped_daemon(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([KEY, recent_key])
+
+
+class _Refusing(FakeRuntime):
+    """llama.cpp refusing a state (another layout): Slot.load_state empties the slot and raises."""
+
+    def load_state(self, state, tokens) -> None:  # type: ignore[no-untyped-def]
+        self.reset()
+        raise RuntimeError("llama.cpp refused a saved KV state")
+
+
+def test_a_state_llama_cpp_refuses_is_dropped_and_the_prompt_read_instead(tmp_path: Path) -> None:
+    prompt_a = _stopped_daemon(tmp_path)
+    _, cache, n = _started_daemon(tmp_path)
+    eng = Engine(_Refusing(n_ctx=2048))
+    out, st = chat(eng, cache, prompt_a)
+    assert st.cached_tokens == 0 and len(cache) == n - 1
+    assert out == cold(prompt_a)
