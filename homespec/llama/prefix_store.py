@@ -63,8 +63,9 @@ class Saved:
 def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryview]], budget_s: float | None = None) -> int:
     """Write `histories` (tokens, state bytes; least recently used first) as this fingerprint's
     files, replacing what was there; returns how many were written. The most recent go first,
-    and after the first none is begun once budget_s seconds have passed: a service manager kills a stop that
-    takes too long (systemd's TimeoutStopSec), and a slow SD card writes ~20 MB a second."""
+    and after the first none is begun once budget_s seconds have passed: a service manager
+    kills a stop that takes too long (systemd's TimeoutStopSec), and a slow SD card writes ~20
+    MB a second."""
     t0 = time.monotonic()
     folder = root / key
     # They hold recent conversations (the tokens are the prompts' text): the daemon's user only.
@@ -109,11 +110,13 @@ def _forget_stale(root: Path, key: str) -> None:
     for folder in root.iterdir():
         if folder.name == key or not folder.is_dir():
             continue
-        files = list(folder.glob("*" + SUFFIX))
-        if all(f.stat().st_mtime < cutoff for f in files):
-            for f in folder.iterdir():
-                f.unlink(missing_ok=True)
-            folder.rmdir()
+        try:  # best effort: what cannot be removed now is tried at the next stop
+            if folder.stat().st_mtime < cutoff and all(f.stat().st_mtime < cutoff for f in folder.iterdir()):
+                for f in folder.iterdir():
+                    f.unlink()
+                folder.rmdir()
+        except OSError as e:
+            log.debug("old prompt cache folder %s left: %s", folder, e)
 
 
 def read(root: Path, key: str) -> Iterator[Saved]:
@@ -125,7 +128,7 @@ def read(root: Path, key: str) -> Iterator[Saved]:
     for path in sorted(folder.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime_ns):
         try:
             saved = _open(path, key)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             log.warning("skipping a saved prompt cache: %s: %s", path, e)
             continue
         yield saved

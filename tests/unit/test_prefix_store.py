@@ -66,6 +66,8 @@ def test_a_file_cut_short_or_garbled_is_skipped_and_the_rest_load(tmp_path: Path
     files = sorted((tmp_path / KEY).iterdir())
     files[0].write_bytes(files[0].read_bytes()[:-5])
     (tmp_path / KEY / "noise.kv").write_bytes(b"not a cache at all")
+    (tmp_path / KEY / "short.kv").write_bytes(prefix_store.MAGIC + b"\x01")
+    (tmp_path / KEY / "header.kv").write_bytes(prefix_store.MAGIC + b"\x02\x00\x00\x00{}")
     _, cache, n = _started_daemon(tmp_path)
     assert n == 1 and len(cache) == 1
 
@@ -122,7 +124,7 @@ def test_another_fingerprints_folder_untouched_for_weeks_is_removed_at_a_save(tm
     _stopped_daemon(tmp_path, old_key)
     _stopped_daemon(tmp_path, recent_key)
     weeks_ago = time.time() - prefix_store.STALE_S - 60
-    for f in (tmp_path / old_key).iterdir():
+    for f in [*(tmp_path / old_key).iterdir(), tmp_path / old_key]:
         os.utime(f, (weeks_ago, weeks_ago))
     _stopped_daemon(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([KEY, recent_key])
