@@ -71,6 +71,8 @@ def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryvi
     # They hold recent conversations (the tokens are the prompts' text): the daemon's user only.
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     folder.mkdir(mode=0o700, exist_ok=True)
+    for d in (root, folder):  # (made by an older version, or by hand)
+        os.chmod(d, 0o700)
     for tmp in folder.glob(".*.tmp"):  # a stop killed while writing
         tmp.unlink(missing_ok=True)
     keep: set[str] = set()
@@ -82,6 +84,15 @@ def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryvi
         toks = np.asarray(tokens, dtype="<i4")
         name = hashlib.sha256(toks.tobytes()).hexdigest()[:24] + SUFFIX
         header = json.dumps({"fingerprint": key, "tokens": len(toks), "state_bytes": len(state)}).encode()
+        stamp = now - rank * 1e-3  # (see below)
+        path = folder / name
+        whole = len(MAGIC) + _HEADER_LEN.size + len(header) + toks.nbytes + len(state)  # bytes
+        if path.is_file() and path.stat().st_size == whole:
+            # Saved before, whole: the same tokens of the same model make the same state, so
+            # a save while idle (the daemon's) writes only what is new.
+            os.utime(path, (stamp, stamp))
+            keep.add(name)
+            continue
         tmp = folder / f".{name}.{os.getpid()}.tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(MAGIC)
@@ -92,9 +103,8 @@ def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryvi
         # Their times are their order of use, the most recent latest, so that reading them back
         # in that order leaves the most recent the most recently used again (spelled out a
         # millisecond apart: a coarse file system's own times could tie).
-        stamp = now - rank * 1e-3
         os.utime(tmp, (stamp, stamp))
-        os.replace(tmp, folder / name)
+        os.replace(tmp, path)
         keep.add(name)
     for old in folder.glob("*" + SUFFIX):
         if old.name not in keep:

@@ -47,6 +47,9 @@ log = logging.getLogger("homespec.serving.daemon")
 # Seconds a stop spends writing the prefix cache to disk at most: systemd's TimeoutStopSec
 # leaves 25 s after the drain (systemd.STOP_MARGIN_S) for this, unloading and exiting.
 PERSIST_BUDGET_S = 10.0
+# The prefix cache is also written after this long idle, when requests came since the last
+# save: a power cut or a SIGKILL leaves no stop to write it in. Only new histories are written.
+IDLE_SAVE_S = 60.0
 
 
 def prompt_cache_dir() -> Path:
@@ -155,6 +158,7 @@ class Daemon:
         self._accepting = True
         self._stop = False
         self._last_active = time.monotonic()
+        self._saved_at = self._last_active  # when the prefix cache was last written to disk
         # Seconds idle before unloading, None = never: the last job's keep_alive (as Ollama's
         # last request decides), memory.keep_alive_s when it named none.
         self._keep_alive_s: float | None = cfg.memory.keep_alive_s
@@ -271,14 +275,21 @@ class Daemon:
             return
         try:
             while True:
+                save = False
                 with self._cv:
                     while not self._queue and not self._active and not self._stop:
                         self._progress = time.monotonic()
                         self._apply_control()
                         self._maybe_unload()  # before waiting: keep_alive 0 unloads at once
+                        if save := self._save_due():
+                            break
                         self._cv.wait(1.0)
                     if self._stop:
                         return
+                if save and self.session is not None:  # (outside the lock: a request meanwhile queues)
+                    self._persist_prefixes(self.session)
+                    continue
+                with self._cv:
                     if not self._active:  # the draft is shed or taken back between generations
                         self._apply_control()
                     admitted = self._admit()
@@ -517,9 +528,16 @@ class Daemon:
         if n:
             log.info("prefix cache: %d saved conversation(s) read back in %.1f s", n, time.perf_counter() - t0)
 
+    def _save_due(self) -> bool:
+        """The prefix cache is to be written now: idle for IDLE_SAVE_S after requests that came
+        since the last save (worker idle, lock held)."""
+        return (self.cfg.memory.prefix_cache_persist and self.session is not None and self.state == "ready"
+                and self._last_active > self._saved_at and time.monotonic() - self._last_active >= IDLE_SAVE_S)
+
     def _persist_prefixes(self, session: Host) -> None:
         """Write the conversation caches for the next start; a failure (a full disk, a read-only
         state folder) is logged and the stop goes on."""
+        self._saved_at = time.monotonic()
         if not self.cfg.memory.prefix_cache_persist or self.state == "failed":
             return
         t0 = time.perf_counter()

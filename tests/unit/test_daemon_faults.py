@@ -38,6 +38,7 @@ class FakeHost:
         self.controller = SimpleNamespace(view=view or SimpleNamespace(baseline_tps=None, effective_tps=None, speedup=None, k=0))
         self.warmup_s = 0.0
         self.closed = False
+        self.saves = 0  # persist_prefixes calls
         self.ngram_memory: NgramMemory | None = None  # prompt lookup's memory of answers (off)
 
     def warmup(self) -> None:
@@ -47,6 +48,7 @@ class FakeHost:
         return 0  # no prefix cache
 
     def persist_prefixes(self, root: Any, budget_s: float | None = None) -> int:
+        self.saves += 1  # (where: the state folder; prefix_store's tests write for real)
         return 0
 
     slots = 1
@@ -320,3 +322,25 @@ def test_a_pending_draft_shed_stops_admission_until_the_running_set_drains() -> 
     assert d._admit() == []  # slots are free, but the draft must go first
     d._active = {}
     assert d._admit() == [waiting]
+
+
+def test_the_prefix_cache_is_written_once_after_requests_when_the_daemon_goes_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A power cut leaves no stop to write it in: it is also written when requests have come
+    and the daemon then idles, once, not again until more come."""
+    monkeypatch.setattr(daemon_mod, "IDLE_SAVE_S", 0.2)
+    host = FakeHost()
+    d = make_daemon(lambda cfg, **kw: host)
+    d.start()
+    try:
+        wait_for(lambda: d.state == "ready", "the load")
+        time.sleep(0.6)  # idle, but nothing came since the start: nothing to write
+        assert host.saves == 0
+        final(submit(d))
+        wait_for(lambda: host.saves == 1, "the idle save")
+        time.sleep(0.6)
+        assert host.saves == 1
+        final(submit(d))
+        wait_for(lambda: host.saves == 2, "the idle save after the next request")
+    finally:
+        d.shutdown(1.0)
+    assert host.saves == 3  # and at the stop

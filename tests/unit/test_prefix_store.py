@@ -145,3 +145,19 @@ def test_a_state_llama_cpp_refuses_is_dropped_and_the_prompt_read_instead(tmp_pa
     out, st = chat(eng, cache, prompt_a)
     assert st.cached_tokens == 0 and len(cache) == n - 1
     assert out == cold(prompt_a)
+
+
+def test_a_save_writes_only_the_histories_it_has_not_written_before(tmp_path: Path) -> None:
+    """The daemon also saves while idle: what is on disk already is kept, not written again."""
+    eng, cache = Engine(FakeRuntime(n_ctx=2048)), PrefixCache(1 << 20, min_tokens=16)
+    chat(eng, cache, SYSTEM_A + [5, 6, 7])
+    chat(eng, cache, SYSTEM_B + [1, 2])  # A saved
+    prefix_store.save(tmp_path, KEY, cache.saved())
+    (first,) = (tmp_path / KEY).iterdir()
+    inode = first.stat().st_ino
+    cache.stash(eng.target)  # B now too
+    assert prefix_store.save(tmp_path, KEY, cache.saved()) == 2
+    assert first.stat().st_ino == inode  # the same file, not a new one renamed over it
+    _, restarted, n = _started_daemon(tmp_path)
+    newest = restarted.newest()
+    assert n == 2 and newest is not None and newest[0][: len(SYSTEM_B)] == SYSTEM_B
