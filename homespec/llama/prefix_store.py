@@ -88,8 +88,9 @@ def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryvi
         path = folder / name
         whole = len(MAGIC) + _HEADER_LEN.size + len(header) + toks.nbytes + len(state)  # bytes
         if path.is_file() and path.stat().st_size == whole:
-            # Saved before, whole: the same tokens of the same model make the same state, so
-            # a save while idle (the daemon's) writes only what is new.
+            # Saved before, whole: the same tokens through the same model and kernels (up to
+            # llama.cpp's batch noise, DESIGN.md's near-tie rule), so a save while idle writes
+            # only what is new.
             os.utime(path, (stamp, stamp))
             keep.add(name)
             continue
