@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,14 @@ def _state_folder(tmp_path_factory: pytest.TempPathFactory):
     restarts) is a temporary one: a test must neither read nor replace a user's. Daemons that
     tests start as processes inherit it."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("HOMESPEC_STATE_DIR", str(tmp_path_factory.mktemp("state")))
-    yield
+    folder = tmp_path_factory.mktemp("state")
+    mp.setenv("HOMESPEC_STATE_DIR", str(folder))
+    yield folder
     mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _no_prompt_cache_of_other_tests(_state_folder: Path) -> None:
+    """What one test's daemon kept across its stop (memory.prefix_cache_persist) is not the
+    next test's: a remembered answer drafts, and a test's counts must not depend on the order."""
+    shutil.rmtree(_state_folder / "prompt-cache", ignore_errors=True)

@@ -130,6 +130,30 @@ def _forget_stale(root: Path, key: str) -> None:
             log.debug("old prompt cache folder %s left: %s", folder, e)
 
 
+def save_arrays(root: Path, key: str, name: str, arrays: Mapping[str, np.ndarray]) -> None:
+    """Keep `arrays` beside this fingerprint's histories as `name`.npz (prompt lookup's memory
+    of answers: drafts only its model's own answers are good for)."""
+    folder = root / key
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = folder / f".{name}.{os.getpid()}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, folder / f"{name}.npz")
+
+
+def read_arrays(root: Path, key: str, name: str) -> dict[str, np.ndarray] | None:
+    """What save_arrays kept, or None (none kept, or not readable: a warning)."""
+    path = root / key / f"{name}.npz"
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("skipping %s: %s", path, e)
+        return None
+
+
 def read(root: Path, key: str) -> Iterator[Saved]:
     """This fingerprint's histories, least recently used first. Files that are not whole, or
     say another fingerprint, are skipped (with a warning: they are not ours to delete)."""

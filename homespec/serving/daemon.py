@@ -521,12 +521,13 @@ class Daemon:
             return
         t0 = time.perf_counter()
         try:
-            n = session.restore_prefixes(prompt_cache_dir())
+            kept = session.restore_prefixes(prompt_cache_dir())
         except (OSError, ValueError) as e:  # a state folder we cannot read costs a cold start, no more
             log.warning("saved prompt caches not read: %s", e)
             return
-        if n:
-            log.info("prefix cache: %d saved conversation(s) read back in %.1f s", n, time.perf_counter() - t0)
+        if any(kept):
+            log.info("prefix cache: %d saved conversation(s) and %d answer(s) read back in %.1f s",
+                     kept.histories, kept.answers, time.perf_counter() - t0)
 
     def _save_due(self) -> bool:
         """The prefix cache is to be written now: idle for IDLE_SAVE_S after requests that came
@@ -542,12 +543,13 @@ class Daemon:
             return
         t0 = time.perf_counter()
         try:
-            n = session.persist_prefixes(prompt_cache_dir(), PERSIST_BUDGET_S)
+            kept = session.persist_prefixes(prompt_cache_dir(), PERSIST_BUDGET_S)
         except OSError as e:
             log.warning("prefix cache not saved for the next start: %s", e)
             return
-        if n:
-            log.info("prefix cache: %d conversation(s) saved for the next start in %.1f s", n, time.perf_counter() - t0)
+        if any(kept):
+            log.info("prefix cache: %d conversation(s) and %d answer(s) kept for the next start in %.1f s",
+                     kept.histories, kept.answers, time.perf_counter() - t0)
 
     def loaded(self) -> bool:
         return self.session is not None and self.state == "ready"

@@ -14,7 +14,7 @@ import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from homespec.config import Config, Mode, override
 from homespec.errors import UserError
@@ -113,6 +113,17 @@ def build_proposers(cfg: Config, models: ModelSet, slot: int = 0, memory: NgramM
     if models.mtp_head is not None and slot == 0:
         out.append(MTPProposer(models.target, models.mtp_head))
     return out
+
+
+# prompt lookup's memory of answers, beside the saved histories (prefix_store.save_arrays)
+ANSWERS = "answers"
+
+
+class Kept(NamedTuple):
+    """What was written to disk for the next start, or read back from it."""
+
+    histories: int  # the prefix cache's conversations
+    answers: int  # prompt lookup's remembered answers
 
 
 class Host:
@@ -234,39 +245,49 @@ class Host:
 
     # -- the prefix cache across restarts -----------------------------------------------------
 
-    def persist_prefixes(self, root: Path, budget_s: float | None = None) -> int:
+    def persist_prefixes(self, root: Path, budget_s: float | None = None) -> Kept:
         """Write the saved histories, and the live ones of every KV sequence, under root for the
-        next start (prefix_store.py; the most recent first, for at most budget_s seconds);
-        returns how many. Nothing without a prefix cache."""
-        if self.prefix_cache is None:
-            return 0
-        for s in range(self.slots):
-            self.prefix_cache.stash(self.models.target.slot(s))
-        return prefix_store.save(root, self._state_key(), self.prefix_cache.saved(), budget_s)
+        next start (prefix_store.py; the most recent first, for at most budget_s seconds), and
+        prompt lookup's memory of answers beside them."""
+        histories = answers = 0
+        if self.prefix_cache is not None:
+            for s in range(self.slots):
+                self.prefix_cache.stash(self.models.target.slot(s))
+            histories = prefix_store.save(root, self._state_key(), self.prefix_cache.saved(), budget_s)
+        if self.ngram_memory is not None and self.ngram_memory.answers:
+            prefix_store.save_arrays(root, self._state_key(), ANSWERS, self.ngram_memory.dump())
+            answers = self.ngram_memory.answers
+        return Kept(histories, answers)
 
-    def restore_prefixes(self, root: Path) -> int:
-        """Read back what persist_prefixes wrote for this model, build and settings; returns how
-        many histories the prefix cache took. llama.cpp checks a state only when it loads one,
-        so the newest is loaded once here: a state it refuses is found now, not in a request."""
-        if self.prefix_cache is None:
-            return 0
-        n_ctx = self.models.target.n_ctx
-        for h in prefix_store.read(root, self._state_key()):
-            if len(h.tokens) < n_ctx:  # (a context made smaller since has no room for the others)
-                self.prefix_cache.adopt(h.tokens, h.size, h.fill)
-        n = len(self.prefix_cache)
-        newest = self.prefix_cache.newest()
-        if newest is not None:
-            rt = self.models.target.slot(0)
+    def restore_prefixes(self, root: Path) -> Kept:
+        """Read back what persist_prefixes wrote for this model, build and settings. llama.cpp
+        checks a state only when it loads one, so the newest is loaded once here: a state it
+        refuses is found now, not in a request."""
+        key = self._state_key()
+        histories = answers = 0
+        if self.prefix_cache is not None:
+            n_ctx = self.models.target.n_ctx
+            for h in prefix_store.read(root, key):
+                if len(h.tokens) < n_ctx:  # (a context made smaller since has no room for the others)
+                    self.prefix_cache.adopt(h.tokens, h.size, h.fill)
+            histories = len(self.prefix_cache)
+            newest = self.prefix_cache.newest()
+            if newest is not None:
+                rt = self.models.target.slot(0)
+                try:
+                    rt.load_state(newest[1], newest[0])
+                except RuntimeError as e:
+                    log.warning("saved prompt caches under %s not used: %s", root, e)
+                    self.prefix_cache.clear()
+                    histories = 0
+                finally:
+                    rt.reset()
+        if self.ngram_memory is not None and (arrays := prefix_store.read_arrays(root, key, ANSWERS)) is not None:
             try:
-                rt.load_state(newest[1], newest[0])
-            except RuntimeError as e:
-                log.warning("saved prompt caches under %s not used: %s", root, e)
-                self.prefix_cache.clear()
-                n = 0
-            finally:
-                rt.reset()
-        return n
+                answers = self.ngram_memory.load(arrays)
+            except (KeyError, ValueError) as e:
+                log.warning("prompt lookup's memory of answers under %s not used: %s", root, e)
+        return Kept(histories, answers)
 
     def _state_key(self) -> str:
         ident = self.models.target.state_identity()

@@ -248,8 +248,8 @@ def test_a_restarted_daemon_reads_the_prompts_of_its_last_run_from_disk(tmp_path
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=20 + EXIT_MARGIN_S) == 0, d.log()[-3000:]
         log = d.log()
-        assert "conversation(s) saved for the next start" in log and "Traceback" not in log, log[-3000:]
-        assert ("saved conversation(s) read back" in log) == (run == 1), log[-3000:]
+        assert "kept for the next start" in log and "Traceback" not in log, log[-3000:]
+        assert ("read back" in log) == (run == 1), log[-3000:]
     usage = [a["usage"] for a in answers]
     assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0, usage
     assert usage[1]["prompt_tokens_details"]["cached_tokens"] == usage[1]["prompt_tokens"] - 1, usage

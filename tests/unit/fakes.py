@@ -99,6 +99,10 @@ class FakeRuntime:
     def reset(self) -> None:
         self.tokens = []
 
+    def state_identity(self) -> dict[str, object]:
+        """Runtime.state_identity: what a saved state is only good for together with."""
+        return {"model": "scripted", "vocab": self.n_vocab, "order": self.order, "seed": self.seed, "sharpness": self.sharpness}
+
     def share_prefix(self, src: FakeRuntime, n: int, scratch: bytearray | None = None) -> None:
         assert src.rt is self.rt and 0 <= n <= len(src.tokens), "share_prefix: another runtime, or too long"
         self.tokens = list(src.tokens[:n])  # as in llama.cpp's unified cache: no copy

@@ -16,7 +16,7 @@ from homespec.config import Config
 from homespec.errors import ModelError
 from homespec.serving import daemon as daemon_mod
 from homespec.serving.daemon import Daemon, Job, JobEvent, NotReady, QueueFull
-from homespec.serving.host import GenerationRequest
+from homespec.serving.host import GenerationRequest, Kept
 from homespec.speculation.batch import Batch
 from homespec.speculation.engine import Event, GenerationStats
 from homespec.speculation.proposers.ngram_memory import NgramMemory
@@ -44,12 +44,12 @@ class FakeHost:
     def warmup(self) -> None:
         pass
 
-    def restore_prefixes(self, root: Any) -> int:
-        return 0  # no prefix cache
+    def restore_prefixes(self, root: Any) -> Kept:
+        return Kept(0, 0)  # no prefix cache
 
-    def persist_prefixes(self, root: Any, budget_s: float | None = None) -> int:
+    def persist_prefixes(self, root: Any, budget_s: float | None = None) -> Kept:
         self.saves += 1  # (where: the state folder; prefix_store's tests write for real)
-        return 0
+        return Kept(0, 0)
 
     slots = 1
 

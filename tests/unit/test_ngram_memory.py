@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import llguidance
 import numpy as np
 
@@ -318,3 +322,35 @@ def test_gaps_stay_with_their_answer_when_older_answers_are_forgotten():
     mem.add(QUESTION + ANSWER, len(QUESTION), question_key(QUESTION))  # no gaps given: none known
     recall = mem.lookup(QUESTION, 16, MATCH_CAP, question_key(QUESTION), 0)
     assert recall.tokens == ANSWER and recall.gaps.size == 0
+
+
+def test_a_memory_dumped_and_loaded_in_another_drafts_the_same_question_again():
+    """Kept across a restart (Host.persist_prefixes): the same answers, questions and gaps."""
+    mem = NgramMemory(1000)
+    mem.add([50, 51, 52, 53, 54, 60, 61], 5)
+    key = question_key(QUESTION)
+    mem.add(QUESTION + ANSWER, len(QUESTION), key, [0.5] * len(ANSWER))
+    restarted = NgramMemory(1000)
+    assert restarted.load(mem.dump()) == 2 and len(restarted) == len(mem)
+    got = restarted.lookup(QUESTION + ANSWER[:3], 4, MATCH_CAP, key, answered=3)
+    assert got.same_question and got.tokens == ANSWER[3:7] and got.gaps.tolist() == [0.5] * 4
+
+
+def test_a_dump_larger_than_the_memory_keeps_its_newest_answers():
+    mem = NgramMemory(1000)
+    for i in range(6):
+        mem.add([200 + i] * 20 + [300 + i] * 30, 20)
+    small = NgramMemory(120)  # room for two entries of 51 tokens
+    small.load(mem.dump())
+    assert small.answers == 2 and small.lookup([205] * 20, 3, MATCH_CAP).tokens == [305] * 3
+
+
+def test_a_question_key_is_the_same_in_another_process_grammar_and_all():
+    """Python's hash of a string changes with every process; the key must not, or a remembered
+    tool call is not the same question after a restart."""
+    shaped = ((), (), 'root ::= "call"')
+    script = ("from homespec.speculation.proposers.ngram_memory import question_key;"
+              f"print(question_key({QUESTION!r}, {shaped!r}))")
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert int(other.stdout) == question_key(QUESTION, shaped)

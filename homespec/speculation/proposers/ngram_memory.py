@@ -38,11 +38,12 @@ while another's decide, so it takes a lock.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from array import array
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -71,9 +72,13 @@ def matched_back(tokens: Sequence[int], at: int, context: Sequence[int], cap: in
 def question_key(prompt: Sequence[int], shaping: Hashable = ()) -> int:
     """What identifies a question for `NgramMemory.lookup`'s same-question test: the prompt and
     what else decides its greedy answer (engine.shaping: a tool call's grammar, a bias; () for
-    none). A collision only offers a wrong draft, which verification rejects. ~20 µs for a
-    4,000-token prompt (a grammar's text hashes once: Python keeps a string's hash)."""
-    return hash((tuple(prompt), shaping))  # numpy ints hash as the ints they equal
+    none). A collision only offers a wrong draft, which verification rejects. A digest, not
+    Python's hash: that of a string (a grammar) changes with every process, and the memory is
+    kept across restarts (dump/load)."""
+    h = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=8)
+    if shaping != ():
+        h.update(repr(shaping).encode())  # ints, floats and the grammar's text: the same in every process
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 class Recall(NamedTuple):
@@ -136,6 +141,39 @@ class NgramMemory:
         with self._lock:
             self._entries.clear()
             self._reindex()
+
+    def dump(self) -> dict[str, np.ndarray]:
+        """The entries as arrays, oldest first, to keep across a restart (load)."""
+        with self._lock:
+            entries = list(self._entries)
+        return {
+            "tokens": np.asarray([t for e in entries for t in e.tokens], dtype=np.int32),  # [all entries' tokens]
+            "lengths": np.asarray([len(e.tokens) for e in entries], dtype=np.int64),  # [entries]
+            "questions": np.asarray([e.question or 0 for e in entries], dtype=np.int64),  # [entries]
+            "known": np.asarray([e.question is not None for e in entries], dtype=bool),  # [entries]
+            "answer_at": np.asarray([e.answer_at for e in entries], dtype=np.int64),  # [entries]
+            "gaps": np.concatenate([e.gaps for e in entries]) if entries else np.zeros(0, np.float32),  # [all tokens]
+        }
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> int:
+        """Take the entries of a dump (after those held, the newest kept within the capacity);
+        returns how many it held. KeyError or ValueError for arrays that are not a dump."""
+        lengths = arrays["lengths"]
+        ends = np.cumsum(lengths)
+        if len(arrays["tokens"]) != (ends[-1] if len(ends) else 0) or len(arrays["gaps"]) != len(arrays["tokens"]):
+            raise ValueError("entries and tokens disagree")
+        for i, end in enumerate(ends.tolist()):
+            start = end - int(lengths[i])
+            entry = _Entry(arrays["tokens"][start:end].tolist(), int(arrays["questions"][i]) if arrays["known"][i] else None,
+                           int(arrays["answer_at"][i]), arrays["gaps"][start:end].astype(np.float32))
+            with self._lock:
+                if len(self._tokens) + len(entry.tokens) + 1 > self.capacity:
+                    if len(entry.tokens) + 1 > self.capacity:
+                        continue
+                    self._drop_oldest(len(entry.tokens) + 1)
+                self._entries.append(entry)
+                self._index(entry)
+        return self.answers
 
     def lookup(self, context: Sequence[int], k: int, cap: int, question: int | None = None, answered: int = 0) -> Recall:
         """The continuation [<= k] of the context where the memory holds what follows it, and the
