@@ -33,7 +33,7 @@ from homespec.models.loader import ModelSet
 from homespec.models.memory import LoadPlan, kv_cells, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
 from homespec.mtp.checkpoint import head_ram
-from homespec.serving.host import GenerationRequest, Host
+from homespec.serving.host import GenerationRequest, Host, Kept
 from homespec.serving.stats import LiveStats, Metrics
 from homespec.serving.stats_schema import DaemonState, RequestRecord, RunningRequest
 from homespec.speculation.batch import Batch
@@ -516,18 +516,8 @@ class Daemon:
         self.metrics.model_loaded.labels("draft").set(0)
 
     def _restore_prefixes(self, session: Host) -> None:
-        """The conversation caches the last run left on disk (memory.prefix_cache_persist)."""
-        if not self.cfg.memory.prefix_cache_persist:
-            return
-        t0 = time.perf_counter()
-        try:
-            kept = session.restore_prefixes(prompt_cache_dir())
-        except (OSError, ValueError) as e:  # a state folder we cannot read costs a cold start, no more
-            log.warning("saved prompt caches not read: %s", e)
-            return
-        if any(kept):
-            log.info("prefix cache: %d saved conversation(s) and %d answer(s) read back in %.1f s",
-                     kept.histories, kept.answers, time.perf_counter() - t0)
+        """The conversation caches and answers the last run left on disk."""
+        self._prompt_cache_io("read back", session.restore_prefixes)
 
     def _save_due(self) -> bool:
         """The prefix cache is to be written now: idle for IDLE_SAVE_S after requests that came
@@ -536,20 +526,26 @@ class Daemon:
                 and self._last_active > self._saved_at and time.monotonic() - self._last_active >= IDLE_SAVE_S)
 
     def _persist_prefixes(self, session: Host) -> None:
-        """Write the conversation caches for the next start; a failure (a full disk, a read-only
-        state folder) is logged and the stop goes on."""
+        """Write the conversation caches and answers for the next start."""
         self._saved_at = time.monotonic()
-        if not self.cfg.memory.prefix_cache_persist or self.state == "failed":
+        if self.state != "failed":
+            self._prompt_cache_io("kept for the next start", lambda root: session.persist_prefixes(root, PERSIST_BUDGET_S))
+
+    def _prompt_cache_io(self, done: str, io: Callable[[Path], Kept]) -> None:
+        """One transfer of the prompt cache between memory and disk (memory.prefix_cache_persist).
+        A failure (a full disk, a read-only or unreadable state folder) costs a cold start later,
+        no more: it is logged, and the start or stop goes on."""
+        if not self.cfg.memory.prefix_cache_persist:
             return
         t0 = time.perf_counter()
         try:
-            kept = session.persist_prefixes(prompt_cache_dir(), PERSIST_BUDGET_S)
-        except OSError as e:
-            log.warning("prefix cache not saved for the next start: %s", e)
+            kept = io(prompt_cache_dir())
+        except (OSError, ValueError) as e:
+            log.warning("prompt cache on disk (%s): %s", prompt_cache_dir(), e)
             return
         if any(kept):
-            log.info("prefix cache: %d conversation(s) and %d answer(s) kept for the next start in %.1f s",
-                     kept.histories, kept.answers, time.perf_counter() - t0)
+            log.info("prefix cache: %d conversation(s) and %d answer(s) %s in %.1f s",
+                     kept.histories, kept.answers, done, time.perf_counter() - t0)
 
     def loaded(self) -> bool:
         return self.session is not None and self.state == "ready"
