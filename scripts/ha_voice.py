@@ -11,6 +11,10 @@ asked through the `ollama` client as HA's Ollama integration asks, llama-server 
 for the spoken answer.
 
     .venv/bin/python scripts/ha_voice.py [--config config.yaml] [--lights 40] [--answers] [--no-peer]
+                                         [--state-dir DIR]
+
+Run twice with the same --state-dir to see the commands after a restart (the prefix cache kept
+on disk, memory.prefix_cache_persist).
 """
 
 from __future__ import annotations
@@ -128,11 +132,13 @@ def main() -> None:
     ap.add_argument("--answers", action="store_true", help="send homespec each call's result for the spoken answer")
     ap.add_argument("--no-peer", action="store_true", help="homespec only")
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
+    ap.add_argument("--state-dir", type=Path, default=None,
+                    help="homespec's state folder; the same one in two runs shows a restart (default: a new one)")
     args = ap.parse_args()
     system = system_prompt(args.lights)
     config = write_config(args.config, {}, Path(tempfile.mkdtemp(prefix="homespec-ha-")) / "config.yaml")
     cfg = load_config(config)
-    proc, url, _ = start(config)
+    proc, url, _ = start(config, state_dir=args.state_dir)
     try:
         ask_homespec(url, system, args.answers)
     finally:

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -52,14 +53,20 @@ def _merge(into: dict[str, Any], overrides: dict[str, Any]) -> None:
             into[key] = value
 
 
-def start(config: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str, float]:
-    """(process, base URL, seconds from process start to /ready: load + warm-up)."""
+def start(config: Path, timeout_s: float = 300, state_dir: Path | None = None) -> tuple[subprocess.Popen, str, float]:
+    """(process, base URL, seconds from process start to /ready: load + warm-up).
+
+    state_dir: the daemon's state folder (HOMESPEC_STATE_DIR); None: a new empty one, so that no
+    prompt cache or remembered answer kept by an earlier daemon (memory.prefix_cache_persist)
+    makes a measurement's first requests look like repeats."""
     port = free_port()
     t0 = time.perf_counter()
     log = os.environ.get("HOMESPEC_DAEMON_LOG")  # a file for the daemon's debug log (every decision)
+    state = state_dir or Path(tempfile.mkdtemp(prefix="homespec-state-"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "homespec", *(["-v"] if log else []), "serve", "--config", str(config), "--port", str(port)],
         stdout=subprocess.DEVNULL, stderr=open(log, "w") if log else subprocess.DEVNULL,  # (the child holds it)
+        env={**os.environ, "HOMESPEC_STATE_DIR": str(state)},
     )
     url = f"http://127.0.0.1:{port}"
     while time.perf_counter() - t0 < timeout_s:
