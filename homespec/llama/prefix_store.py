@@ -60,6 +60,16 @@ class Saved:
     fill: Callable[[Any], None]
 
 
+def _folder(root: Path, key: str) -> Path:
+    """This fingerprint's folder, made if need be. What it holds are recent conversations (the
+    tokens are the prompts' text): the daemon's user's alone, the folder above it too."""
+    folder = root / key
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for d in (root, folder):  # (made by an older version, by hand, or as a parent above)
+        os.chmod(d, 0o700)
+    return folder
+
+
 def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryview]], budget_s: float | None = None) -> int:
     """Write `histories` (tokens, state bytes; least recently used first) as this fingerprint's
     files, replacing what was there; returns how many were written. The most recent go first,
@@ -67,12 +77,7 @@ def save(root: Path, key: str, histories: Sequence[tuple[Sequence[int], memoryvi
     kills a stop that takes too long (systemd's TimeoutStopSec), and a slow SD card writes ~20
     MB a second."""
     t0 = time.monotonic()
-    folder = root / key
-    # They hold recent conversations (the tokens are the prompts' text): the daemon's user only.
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    folder.mkdir(mode=0o700, exist_ok=True)
-    for d in (root, folder):  # (made by an older version, or by hand)
-        os.chmod(d, 0o700)
+    folder = _folder(root, key)
     for tmp in folder.glob(".*.tmp"):  # a stop killed while writing
         tmp.unlink(missing_ok=True)
     keep: set[str] = set()
@@ -133,8 +138,7 @@ def _forget_stale(root: Path, key: str) -> None:
 def save_arrays(root: Path, key: str, name: str, arrays: Mapping[str, np.ndarray]) -> None:
     """Keep `arrays` beside this fingerprint's histories as `name`.npz (prompt lookup's memory
     of answers: drafts only its model's own answers are good for)."""
-    folder = root / key
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder = _folder(root, key)
     tmp = folder / f".{name}.{os.getpid()}.tmp"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         np.savez(f, **arrays)

@@ -249,13 +249,14 @@ class Host:
         """Write the saved histories, and the live ones of every KV sequence, under root for the
         next start (prefix_store.py; the most recent first, for at most budget_s seconds), and
         prompt lookup's memory of answers beside them."""
+        key = self._state_key()
         histories = answers = 0
         if self.prefix_cache is not None:
             for s in range(self.slots):
                 self.prefix_cache.stash(self.models.target.slot(s))
-            histories = prefix_store.save(root, self._state_key(), self.prefix_cache.saved(), budget_s)
+            histories = prefix_store.save(root, key, self.prefix_cache.saved(), budget_s)
         if self.ngram_memory is not None and self.ngram_memory.answers:
-            prefix_store.save_arrays(root, self._state_key(), ANSWERS, self.ngram_memory.dump())
+            prefix_store.save_arrays(root, key, ANSWERS, self.ngram_memory.dump())
             answers = self.ngram_memory.answers
         return Kept(histories, answers)
 
