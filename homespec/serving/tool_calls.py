@@ -175,7 +175,85 @@ def whole_answer_call(text: str, known: Sequence[str]) -> Call | None:
     body = text.strip()
     if body.startswith("{{") and body.endswith("}}"):
         body = body[1:-1]
-    return _parse_body(body, known) if body.startswith("{") else None
+    return _parse_body(body, known, only_call_keys=True) if body.startswith("{") else None
+
+
+CALL_KEYS = ("name", "arguments", "parameters")  # what a call's object holds (`parameters`: Llama 3 style)
+
+
+class BareScan:
+    """Reads a streamed answer that opens with "{" as it grows, to rule out early that it is one
+    call with no marker (whole_answer_call): once a top-level key no call has appears, "name" is
+    a complete string naming no declared tool, or the object has closed with more after it than
+    the doubled brace. Until then the answer is held; from then on it streams as text, so a JSON
+    answer under tools is not withheld to its end.
+    Incremental: each feed scans only what came since, except an unfinished string (rescanned
+    from its quote, which str.find does in C)."""
+
+    def __init__(self, known: Sequence[str]) -> None:
+        self.known = known
+        self.at = 0  # where the scan resumes in the text (after its leading whitespace)
+        self.depth = 0
+        self.key: str | None = None  # the top-level key whose value comes next
+        self.doubled: bool | None = None  # `{{...}}`, the template example's form
+        self.closed = -1  # where the top-level object closed
+
+    def may_be_call(self, text: str) -> bool:
+        body = text.lstrip()
+        if self.doubled is None:
+            if len(body) < 2:
+                return True
+            self.doubled = body.startswith("{{")
+            self.at = 1 if self.doubled else 0  # the doubled form's inner object is the call
+        i, n = self.at, len(body)
+        while i < n and self.closed < 0:
+            ch = body[i]
+            if ch == '"':
+                end = _string_end(body, i)
+                follows = _NON_SPACE.search(body, end) if end > 0 else None
+                if follows is None:  # the string, or what follows it, has not come yet
+                    break
+                if self.depth == 1:
+                    try:
+                        word = json.loads(body[i:end])
+                    except json.JSONDecodeError:
+                        return False  # not JSON, so no call
+                    if follows.group() == ":":
+                        if word not in CALL_KEYS:
+                            return False
+                        self.key = word
+                    elif self.key == "name" and word not in self.known:
+                        return False
+                i = end
+                continue
+            if ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.closed = i
+            i += 1
+        self.at = i
+        if self.closed < 0:
+            return True
+        tail = body[self.closed + 1 :].strip()
+        return tail == "" or (self.doubled is True and tail == "}")
+
+
+_NON_SPACE = re.compile(r"\S")
+
+
+def _string_end(text: str, start: int) -> int:
+    """Index after the JSON string literal opening at start, or -1 when it has not closed yet."""
+    i = start + 1
+    while (i := text.find('"', i)) >= 0:
+        j = i
+        while text[j - 1] == "\\":
+            j -= 1
+        if (i - j) % 2 == 0:  # an even run of backslashes escapes each other, not the quote
+            return i + 1
+        i += 1
+    return -1
 
 
 def _first_marker(fmt: ToolFormat, text: str) -> tuple[int, str, str] | None:
@@ -184,12 +262,16 @@ def _first_marker(fmt: ToolFormat, text: str) -> tuple[int, str, str] | None:
     return min(hits) if hits else None
 
 
-def _parse_body(body: str, known: Sequence[str]) -> Call | None:
+def _parse_body(body: str, known: Sequence[str], only_call_keys: bool = False) -> Call | None:
+    """only_call_keys: an object with any key beyond CALL_KEYS is no call (for a call with no
+    marker, which is otherwise just a JSON answer that happens to have a "name")."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in known:
+        return None
+    if only_call_keys and not set(obj) <= set(CALL_KEYS):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as a JSON string
@@ -214,8 +296,9 @@ class CallStream:
         self.close: str | None = None  # inside a call: the marker that ends it
         self.broken = False  # a malformed call was seen: everything after is text
         # The answer opens with "{": it may be one call with no marker (whole_answer_call), so
-        # all of it is held to the end. None: nothing but whitespace seen yet.
+        # it is held until its end or until `scan` rules that out. None: only whitespace yet.
         self.bare: bool | None = None
+        self.scan = BareScan(self.known)
         self.calls: list[Call] = []
 
     def push(self, text: str) -> tuple[str, list[Call]]:
@@ -223,8 +306,9 @@ class CallStream:
         self.buf += text
         if self.bare is None and self.buf.strip():
             self.bare = self.buf.lstrip().startswith("{")
-        if self.bare is not False:
+        if self.bare is None or (self.bare and self.scan.may_be_call(self.buf)):
             return "", []
+        self.bare = False  # text, read for markers like any answer (as parse_calls reads it)
         if self.broken:
             out, self.buf = self.buf, ""
             return out, []
@@ -263,17 +347,20 @@ class CallStream:
         """(What was held back, as text; a call completed only now: an answer that is one call
         with no marker). truncated (max_tokens): a call cut off after complete ones is dropped,
         as parse_calls drops it."""
+        head, calls = "", []
         if self.bare:
             call = whole_answer_call(self.buf, self.known)
             if call is not None:
                 self.calls.append(call)
                 self.buf = ""
                 return "", [call]
+            self.bare = False
+            head, calls = self.push("")  # any markers in it are calls, as parse_calls finds them
         rest = (self._opened() if self.close is not None else "") + self.buf
         if truncated and self.close is not None and self.calls:
             rest = ""
         self.buf, self.close = "", None
-        return rest, []
+        return head + rest, calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -110,6 +110,37 @@ def test_an_answer_that_opens_with_a_brace_but_is_no_declared_call_stays_text(te
     assert _stream([text[:7], text[7:]]) == (text, [])
 
 
+@pytest.mark.parametrize("pieces, sent", [
+    (['{"lig', 'hts": [1, 2'], '{"lights": [1, 2'),  # a key no call has
+    (['{\n  "name": "ad', 'd", "arguments": {'], '{\n  "name": "add", "arguments": {'),  # an undeclared tool
+    (['{"na\\"me', '": 1'], '{"na\\"me": 1'),  # an escaped quote inside the key
+    (['{"name": "get_weather"}', ' and then'], '{"name": "get_weather"} and then'),  # more after the object
+])
+def test_an_answer_that_opens_with_a_brace_streams_as_soon_as_it_cannot_be_a_call(pieces, sent):
+    s = CallStream(HERMES, KNOWN)
+    assert s.push(pieces[0]) == ("", [])
+    assert s.push(pieces[1]) == (sent, [])
+    assert s.push(" more") == (" more", []) and s.finish() == ("", [])
+
+
+@pytest.mark.parametrize("text", [
+    BARE,
+    '{{"name": "set_light", "arguments": {"room": "a \\"quoted\\" hall}"}}}',
+    '{"arguments": {"city": "Oslo"}, "name": "get_weather"}',  # keys in the other order
+    '{"name": "get_weather", "arguments": {}, "note": "x"}',  # a key beyond a call's: a JSON answer
+    '{"a": 1}' + CALL,  # text, then a call with its marker
+    '{"name": "get_weather", "argu',  # cut off
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n\n{"name": "set_light"}',
+])
+def test_a_streamed_answer_that_opens_with_a_brace_ends_as_the_whole_answer_parses(text):
+    parsed = parse_calls(HERMES, text, KNOWN)
+    names = [c.name for c in parsed[1]] if parsed else []
+    for size in (1, 2, 5, 1000):
+        content, streamed = _stream([text[i : i + size] for i in range(0, len(text), size)])
+        assert streamed == names
+        assert content.strip() == (parsed[0] if parsed else text.strip())
+
+
 def test_a_call_with_no_marker_streams_as_openai_deltas_at_the_end():
     deltas = ChatDeltas(ToolUse(HERMES, KNOWN, False))
     assert deltas.push(BARE[:10]) == [] and deltas.push(BARE[10:]) == []
