@@ -158,7 +158,7 @@ def parse_calls(fmt: ToolFormat, text: str, known: Sequence[str], truncated: boo
         end = rest.find(pair[1], len(pair[0]))
         if end < 0:
             return (content.strip(), calls) if truncated and calls else None
-        call = _parse_body(rest[len(pair[0]) : end], known)
+        call = _parse_body(rest[len(pair[0]) : end], known, only_call_keys=pair[0] != fmt.open)
         if call is None:
             return None
         calls.append(call)
@@ -182,16 +182,17 @@ CALL_KEYS = ("name", "arguments", "parameters")  # what a call's object holds (`
 
 
 class BareScan:
-    """Reads a streamed answer that opens with "{" as it grows, to rule out early that it is one
-    call with no marker (whole_answer_call): once a top-level key no call has appears, "name" is
-    a complete string naming no declared tool, or the object has closed with more after it than
-    the doubled brace. Until then the answer is held; from then on it streams as text, so a JSON
-    answer under tools is not withheld to its end.
+    """Reads a streamed call body that is not the template's own marker as it grows (an answer
+    that opens with "{", which may be one call with no marker, or the inside of a ```json fence),
+    to rule out early that it is a call: once a top-level key no call has appears, "name" is a
+    complete string naming no declared tool, or the object has closed with more after it than
+    `after` (the doubled brace, or the start of the fence's close). Until then the text is held;
+    from then on it streams as text, so a JSON answer under tools is not withheld to its end.
     Incremental: each feed scans only what came since, except an unfinished string (rescanned
     from its quote, which str.find does in C)."""
 
-    def __init__(self, known: Sequence[str]) -> None:
-        self.known = known
+    def __init__(self, known: Sequence[str], after: str = "") -> None:
+        self.known, self.after = known, after
         self.at = 0  # where the scan resumes in the text (after its leading whitespace)
         self.depth = 0
         self.key: str | None = None  # the top-level key whose value comes next
@@ -201,6 +202,8 @@ class BareScan:
     def may_be_call(self, text: str) -> bool:
         body = text.lstrip()
         if self.doubled is None:
+            if body[:1] not in ("", "{"):
+                return False  # a call is an object
             if len(body) < 2:
                 return True
             self.doubled = body.startswith("{{")
@@ -236,8 +239,10 @@ class BareScan:
         self.at = i
         if self.closed < 0:
             return True
-        tail = body[self.closed + 1 :].strip()
-        return tail == "" or (self.doubled is True and tail == "}")
+        tail = body[self.closed + 1 :].lstrip()
+        if self.after:  # in a fence: only its close may follow, which ends the scan when whole
+            return self.after.startswith(tail)
+        return tail.rstrip() in (("", "}") if self.doubled else ("",))
 
 
 _NON_SPACE = re.compile(r"\S")
@@ -299,6 +304,7 @@ class CallStream:
         # it is held until its end or until `scan` rules that out. None: only whitespace yet.
         self.bare: bool | None = None
         self.scan = BareScan(self.known)
+        self.inside: BareScan | None = None  # in a loose wrapping (a ```json fence): its body's scan
         self.calls: list[Call] = []
 
     def push(self, text: str) -> tuple[str, list[Call]]:
@@ -322,13 +328,14 @@ class CallStream:
                     self.buf = self.buf[cut:]
                     return content, done
                 at, opener, self.close = found
+                self.inside = BareScan(self.known, after=self.close) if opener != self.fmt.open else None
                 # Content before the first call is sent; whitespace between calls is not.
                 content += self.buf[:at] if not self.calls else ""
                 self.buf = self.buf[at + len(opener) :]
             end = self.buf.find(self.close)
-            if end < 0:
+            if end < 0 and (self.inside is None or self.inside.may_be_call(self.buf)):
                 return content, done
-            call = _parse_body(self.buf[:end], self.known)
+            call = _parse_body(self.buf[:end], self.known, only_call_keys=self.inside is not None) if end >= 0 else None
             if call is None:
                 self.broken = True
                 content, self.buf = content + self._opened() + self.buf, ""

@@ -115,8 +115,13 @@ def test_an_answer_that_opens_with_a_brace_but_is_no_declared_call_stays_text(te
     (['{\n  "name": "ad', 'd", "arguments": {'], '{\n  "name": "add", "arguments": {'),  # an undeclared tool
     (['{"na\\"me', '": 1'], '{"na\\"me": 1'),  # an escaped quote inside the key
     (['{"name": "get_weather"}', ' and then'], '{"name": "get_weather"} and then'),  # more after the object
+    (['```json\n{\n  "fru', 'its": ['], '```json\n{\n  "fruits": ['),  # a fenced JSON answer
+    (['```json\n', '[1, 2'], '```json\n[1, 2'),  # a fence that holds no object
+    (['```json\n{"name": "get_weather"}', '\n``\n'], '```json\n{"name": "get_weather"}\n``\n'),
 ])
-def test_an_answer_that_opens_with_a_brace_streams_as_soon_as_it_cannot_be_a_call(pieces, sent):
+def test_an_answer_that_opens_like_a_call_streams_as_soon_as_it_cannot_be_one(pieces, sent):
+    """Bare or in a ```json fence (how these models answer in JSON under tools), held only until
+    it cannot be a call; the template's own marker is left to the grammar."""
     s = CallStream(HERMES, KNOWN)
     assert s.push(pieces[0]) == ("", [])
     assert s.push(pieces[1]) == (sent, [])
@@ -131,8 +136,11 @@ def test_an_answer_that_opens_with_a_brace_streams_as_soon_as_it_cannot_be_a_cal
     '{"a": 1}' + CALL,  # text, then a call with its marker
     '{"name": "get_weather", "argu',  # cut off
     '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n\n{"name": "set_light"}',
+    '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```',  # a fenced call
+    '```json\n{"name": "get_weather", "arguments": {}, "note": "x"}\n```',
+    'Here: ```json\n{"fruits": ["apple"]}\n```',
 ])
-def test_a_streamed_answer_that_opens_with_a_brace_ends_as_the_whole_answer_parses(text):
+def test_a_streamed_answer_that_opens_like_a_call_ends_as_the_whole_answer_parses(text):
     parsed = parse_calls(HERMES, text, KNOWN)
     names = [c.name for c in parsed[1]] if parsed else []
     for size in (1, 2, 5, 1000):
