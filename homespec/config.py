@@ -213,7 +213,7 @@ class SpeculationConfig(_Strict):
 class SamplingDefaults(_Strict):
     # Greedy by default: reproducible answers, and the exactness guarantee is easiest to audit.
     temperature: float = Field(0.0, ge=0, le=5, description="Sampling temperature, 0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, 1 = off")
+    top_p: float = Field(1.0, ge=0, le=1, description="Nucleus sampling mass, 1 = off")
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens, 0 = off")
     min_p: float = Field(0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability, 0 = off")
     repetition_penalty: float = Field(1.0, gt=0, le=10)

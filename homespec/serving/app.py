@@ -15,7 +15,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from homespec.serving import openai_api as oa
@@ -60,15 +60,15 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     return app
 
 
-async def _api_error(request: Request, e: oa.ApiError) -> JSONResponse:
+async def _api_error(request: Request, e: oa.ApiError) -> Response:
     return error_response(e, request.url.path)
 
 
-async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, e: RequestValidationError) -> Response:
     return error_response(validation_error(e), request.url.path)
 
 
-async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
     kind = "not_found" if e.status_code == 404 else None
     message = str(e.detail)
     if e.status_code == 404 and message == "Not Found":  # no such route (not a handler's own 404)
@@ -77,7 +77,7 @@ async def _http_error(request: Request, e: StarletteHTTPException) -> JSONRespon
     return error_response(oa.ApiError(e.status_code, message, code=kind, headers=e.headers), request.url.path)
 
 
-async def _crash(request: Request, e: Exception) -> JSONResponse:
+async def _crash(request: Request, e: Exception) -> Response:
     log.exception("unhandled error")
     err = oa.ApiError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
     return error_response(err, request.url.path)

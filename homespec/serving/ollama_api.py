@@ -94,7 +94,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="allow")
     temperature: float | None = Field(None, ge=0)  # 0: greedy
     top_k: IntOption | None = None  # <= 0: off
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
     min_p: float | None = Field(None, ge=0, le=1)
     num_predict: IntOption | None = Field(None, ge=-2)  # -1 (and -2): until the context is full
     stop: list[str] | None = Field(None, max_length=MAX_STOP)
@@ -235,9 +235,16 @@ class Tool(BaseModel):
 Format = Literal["", "json"] | dict[str, Any] | None
 
 
+def _null_is_unset(data: Any) -> Any:
+    """Go's clients (the `ollama` CLI) send every field they have no value for, as null or "":
+    Ollama reads a null as the field's default, and so do we."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
 class _Generation(BaseModel):
     # Ollama ignores fields it does not know; so do we (they cannot have changed its answer).
     model_config = ConfigDict(extra="ignore")
+    _nulls = model_validator(mode="before")(_null_is_unset)
     model: str = Field(min_length=1)
     format: Format = None  # "json", or a JSON schema the answer follows
     options: Options = Field(default_factory=Options)
@@ -289,6 +296,11 @@ class GenerateRequest(_Generation):
     raw: bool = False
     images: list[Any] | None = None
 
+    @field_validator("suffix")
+    @classmethod
+    def _empty_suffix(cls, v: str | None) -> str | None:
+        return v or None  # Ollama fills the middle only for a suffix that is not "" (Go sends "")
+
     @model_validator(mode="after")
     def _unsupported(self) -> GenerateRequest:
         if self.images:
@@ -308,6 +320,7 @@ class ModelRequest(BaseModel):
     """/api/show and /api/pull name a model as `model` (or the older `name`)."""
 
     model_config = ConfigDict(extra="ignore")
+    _nulls = model_validator(mode="before")(_null_is_unset)
     model: str | None = None
     name: str | None = None
     stream: bool = True  # /api/pull

@@ -165,7 +165,7 @@ class _Common(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
@@ -179,6 +179,15 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # ignored (openai_fields.py says why)
     homespec: HomespecOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_flags(cls, data: Any) -> Any:
+        # The openai client's types allow null for these flags (stream: Optional[Literal[False]],
+        # echo: Optional[bool]) and send it; null is the default.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in ("stream", "echo", "parallel_tool_calls"))}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -300,12 +309,23 @@ class ChatRequest(_ChatFields):
         choice = self.choice()
         if choice not in ("none", "auto", "required") and choice not in names:
             raise ValueError(f"tool_choice names {choice!r}, which is not among the tools")
-        constrained = [f for f, on in (("response_format", self.response_format and self.response_format.type != "text"),
-                                       ("grammar", self.grammar is not None),
-                                       ("tools", bool(names) and choice != "none")) if on]
-        if len(constrained) > 1:
-            raise ValueError(f"{' and '.join(constrained)} cannot be combined (each constrains the whole answer)")
+        # response_format and tools combine (the answer is the JSON asked for, or calls); a grammar
+        # constrains the whole answer alone.
+        other = [f for f, on in (("response_format", self.answer_schema() is not None),
+                                 ("tools", bool(names) and choice != "none")) if on]
+        if self.grammar is not None and other:
+            raise ValueError(f"grammar and {' and '.join(other)} cannot be combined (a grammar constrains the whole answer)")
         return self
+
+    def answer_schema(self) -> dict[str, Any] | bool | None:
+        """The JSON schema response_format asks the answer to follow; None: free text."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return {"type": "object"}
+        assert rf.json_schema is not None  # _schema_given
+        return rf.json_schema.schema_
 
     @property
     def legacy_functions(self) -> bool:

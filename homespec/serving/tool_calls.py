@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from homespec.speculation.constraints import JSON_STYLE, GrammarError, check_grammar, json_schema_grammar
+from homespec.speculation.constraints import GrammarError, check_grammar, json_schema_grammar, json_style
 
 ANY_TEXT = "/(.|\\n)+/"  # Lark: any text; the call markers are special tokens, so outside it
 
@@ -87,10 +87,16 @@ def _marker(text: str) -> str:
     return text if re.fullmatch(r"<[^<>\s]+>", text) else _literal(text)
 
 
-def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice: str, parallel: bool) -> str:
+def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice: str, parallel: bool,
+                 answer: Mapping[str, Any] | bool | None = None, answer_lenient: bool = False) -> str:
     """The Lark grammar for a request's tool calls.
 
     tools: name -> parameters JSON schema; choice: "auto" | "required" | "none" | a tool name.
+    answer: a JSON schema the answer follows when it calls no tool (response_format, Ollama's
+    format); None: free text. answer_lenient: its unsupported keywords are ignored (Ollama's).
+    Parameters schemas compile leniently: keywords llguidance cannot enforce (uniqueItems, not,
+    an unknown format) are ignored, as Ollama and llama.cpp ignore them, so that one tool among
+    an app's many (Home Assistant's, an MCP server's) does not refuse the request.
     """
     names = list(tools) if choice in ("auto", "required", "none") else [choice]
     parallel = parallel and choice in ("auto", "required")  # a named function: one call of it
@@ -106,10 +112,14 @@ def call_grammar(fmt: ToolFormat, tools: Mapping[str, Mapping[str, Any]], choice
         "body: " + " | ".join(f"body_{i}" for i in range(len(names))),
     ]
     for i, name in enumerate(names):
-        schema = {"x-guidance": JSON_STYLE, **_object_schema(tools[name])}
+        schema = {"x-guidance": json_style(lenient=True), **_object_schema(tools[name])}
         rules.append(f"body_{i}: {_literal('{' + json.dumps('name') + ': ' + json.dumps(name) + ', ' + json.dumps('arguments') + ': ')} args_{i} \"}}\"")
         rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    start = {"auto": "start: TEXT? calls?", "none": "start: TEXT?"}.get(choice, "start: calls")
+    if answer is None:
+        start = {"auto": "start: TEXT? calls?", "none": "start: TEXT?"}.get(choice, "start: calls")
+    else:  # the answer is the JSON asked for or calls, not both
+        rules.append(f"answer: %json {json.dumps({'x-guidance': json_style(answer_lenient), **({} if answer is True else answer)})}")
+        start = {"auto": "start: answer | calls", "none": "start: answer"}.get(choice, "start: calls")
     grammar = "\n".join([start, *rules]) + "\n"
     try:
         check_grammar(grammar)
@@ -123,7 +133,7 @@ def _name_bad_schema(tools: Mapping[str, Mapping[str, Any]], names: Sequence[str
     """GrammarError naming the first tool whose parameters schema does not compile alone."""
     for name in names:
         try:
-            json_schema_grammar(_object_schema(tools[name]))  # (in JSON_STYLE, as in the grammar)
+            json_schema_grammar(_object_schema(tools[name]), lenient=True)  # as in the grammar
         except GrammarError as e:
             reason = str(e).removeprefix("invalid grammar: ").removeprefix("invalid JSON schema: ")
             raise GrammarError(f"tool {name!r}: invalid parameters schema: {reason}") from None
@@ -133,7 +143,8 @@ def _object_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     """A function's parameters schema; OpenAI allows it to be omitted (no parameters)."""
     if not parameters:
         return {"type": "object", "properties": {}, "additionalProperties": False}
-    return dict(parameters)
+    # A Go client (Ollama's) sends the keywords it has no value for as null ("properties": null).
+    return {k: v for k, v in parameters.items() if v is not None}
 
 
 # -- parsing the model's text --------------------------------------------------------------------

@@ -35,16 +35,25 @@ from homespec.errors import UserError
 JSON_STYLE: dict[str, Any] = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
+def json_style(lenient: bool = False) -> dict[str, Any]:
+    """llguidance's JSON options: JSON_STYLE, and whether unsupported keywords are ignored."""
+    return {**JSON_STYLE, "lenient": True} if lenient else JSON_STYLE
+
+
 class GrammarError(UserError):
     """A grammar or schema that does not compile (the message says why): the client's fault."""
 
 
-def json_schema_grammar(schema: dict[str, Any] | bool) -> str:
-    """An llguidance grammar for JSON matching `schema` ({} or True: any JSON object or value)."""
+def json_schema_grammar(schema: dict[str, Any] | bool, lenient: bool = False) -> str:
+    """An llguidance grammar for JSON matching `schema` ({} or True: any JSON value).
+    lenient: keywords llguidance cannot enforce (uniqueItems, not, if/then, an unknown format)
+    are ignored rather than refused, as llama.cpp's converter ignores them."""
     import llguidance
 
+    if schema is True:
+        schema = {}
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)  # type: ignore[arg-type]
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_style(lenient))  # type: ignore[arg-type]
     except ValueError as e:
         raise GrammarError(f"invalid JSON schema: {e}") from None
     check_grammar(grammar)  # the schema's meaning is checked when it compiles

@@ -63,7 +63,7 @@ class SamplingParams:
         checks = [
             ("temperature", self.temperature >= 0),
             ("top_k", self.top_k >= 0),
-            ("top_p", 0 < self.top_p <= 1),
+            ("top_p", 0 <= self.top_p <= 1),  # 0: the likeliest token only (_top_p keeps one)
             ("min_p", 0 <= self.min_p <= 1),
             ("repetition_penalty", self.repetition_penalty > 0),
             ("penalty_last_n", self.penalty_last_n >= 0),

@@ -214,6 +214,56 @@ def test_invalid_json_and_wrong_method_get_ollama_errors(served: Served) -> None
         assert_ollama_error(c.post("/api/chat", content=b"{nope", headers={"content-type": "application/json"}), 400, "JSON")
         assert_ollama_error(c.get("/api/chat"), 405, "not allowed")
         assert_ollama_error(c.post("/api/embed", json={"model": served.model, "input": "hi"}), 501, "not supported")
+        assert_ollama_error(c.get("/api/nope"), 404, "not found")
+        assert c.head("/api/tags").status_code == 200 and c.head("/api/version").status_code == 200
+        # A name that UTF-8 cannot encode, quoted back in the error: a 404, not a 500.
+        lone = json.dumps({"model": "x\ud800"}).encode()  # JSON may escape it; UTF-8 cannot hold it
+        assert_ollama_error(c.post("/api/show", content=lone, headers={"content-type": "application/json"}), 404, "not found")
+
+
+def test_a_go_clients_empty_and_null_fields_mean_their_defaults(served: Served) -> None:
+    """Ollama's Go client sends suffix, system and template as "" and unset options as null:
+    an empty suffix is no fill-in-the-middle, and the answer is the plain one."""
+    prompt = "Say only the word OK."
+    go = raw_post(served, "/api/generate", {"model": served.model, "prompt": prompt, "suffix": "", "system": "", "template": "",
+                                            "images": None, "context": None, "raw": None, "stream": False, "logprobs": None,
+                                            "keep_alive": None, "options": {"temperature": 0, "num_predict": 8, "stop": None}})
+    assert go.status_code == 200, go.text
+    assert go.json()["response"] == client(served).generate(served.model, prompt=prompt, options={**GREEDY, "num_predict": 8}).response
+
+
+def test_tools_with_keywords_that_cannot_be_enforced_still_work(served: Served) -> None:
+    """MCP servers' and Home Assistant's tools carry uniqueItems, not, unknown formats, and Go
+    clients send a tool without arguments as "properties": null. Ollama ignores such keywords."""
+    odd = [{"type": "function", "function": {"name": "set_scene", "description": "Set a scene.", "parameters": {
+               "type": "object", "properties": {"scene": {"type": "string", "format": "entity_id"},
+                                                "colors": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+               "not": {"required": ["both"]}}}},
+           {"type": "function", "function": {"name": "all_off", "description": "Switch everything off.",
+                                             "parameters": {"type": "object", "properties": None, "required": None}}}]
+    r = raw_post(served, "/api/chat", {"model": served.model, "messages": [{"role": "user", "content": WEATHER_Q}], "stream": False,
+                                       "tools": TOOLS + odd, "options": {**GREEDY, "num_predict": 80}})
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and "paris" in call["function"]["arguments"]["city"].lower()
+
+
+def test_tools_with_a_format_answer_with_a_call_or_the_json_asked_for(served: Served) -> None:
+    """Home Assistant sends both when an AI task has an LLM API; Ollama allows it. The answer is a
+    call or the format's JSON (which one is the model's choice; Ollama's own grammar allows only
+    the JSON)."""
+    cl = client(served)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+    either = cl.chat(served.model, messages=[{"role": "user", "content": WEATHER_Q}], tools=TOOLS, format=schema,
+                     options={**GREEDY, "num_predict": 80}).message
+    if either.tool_calls:
+        assert "paris" in _weather_call(either)["city"].lower()
+    else:
+        jsonschema.validate(json.loads(either.content), schema)
+    person = cl.chat(served.model, messages=[{"role": "user", "content": "Invent a person."}], tools=TOOLS, format=schema,
+                     options={**GREEDY, "num_predict": 60}).message
+    assert not person.tool_calls
+    jsonschema.validate(json.loads(person.content), schema)
 
 
 def test_options_as_floats_and_durations_as_strings_are_accepted(served: Served) -> None:
@@ -302,9 +352,14 @@ def test_keep_alive_zero_unloads_and_the_next_request_loads_again(served: Served
     again = cl.chat(served.model, messages=[{"role": "user", "content": "Say hi."}], options={"num_predict": 2})
     assert again.done and again.load_duration > 10**8  # nanoseconds: it loaded the models again
     assert cl.ps().models
-    unloaded = cl.generate(served.model, prompt="", keep_alive=0)  # `ollama stop`
-    assert unloaded.done_reason == "unload" and not cl.ps().models
-    # Load and stay loaded (-1: forever), so the tests after this one find the models warm.
-    assert cl.chat(served.model, messages=[], keep_alive=-1).done_reason == "load"
+    # `ollama stop`, as the Go CLI sends it: every field, empty or null (api/types.go has no omitempty).
+    stop = raw_post(served, "/api/generate", {"model": served.model, "prompt": "", "suffix": "", "system": "", "template": "",
+                                              "options": None, "keep_alive": "0s", "stream": False})
+    assert stop.status_code == 200 and stop.json()["done_reason"] == "unload", stop.text
+    assert not cl.ps().models
+    # Load (`ollama run` sends messages null) and stay loaded (-1: forever), so the tests after
+    # this one find the models warm.
+    load = raw_post(served, "/api/chat", {"model": served.model, "messages": None, "options": None, "keep_alive": -1, "stream": False})
+    assert load.status_code == 200 and load.json()["done_reason"] == "load", load.text
     (running,) = cl.ps().models
     assert running.expires_at.year > 2200

@@ -95,3 +95,18 @@ def test_a_refused_field_raises_bad_request_naming_it_in_the_openai_client(serve
         oai(served).chat.completions.create(model=served.model, messages=[{"role": "user", "content": PARIS}], max_tokens=2,
                                             **{field: value})
     assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def test_null_flags_mean_their_defaults_and_a_stream_keeps_one_created(served: Served) -> None:
+    """The openai client's types allow stream=None and echo=None and send them as null."""
+    client = oai(served)
+    chat = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": PARIS}], max_tokens=4,
+                                          stream=None, extra_body=OFF)
+    assert chat.choices[0].message.content
+    done = client.completions.create(model=served.model, prompt=COMPLETION_PROMPT, max_tokens=4, echo=None, stream=None, extra_body=OFF)
+    assert done.choices[0].text
+    count = [{"role": "user", "content": "Count from 1 to 100, separated by commas."}]
+    chunks = list(client.chat.completions.create(model=served.model, messages=count, max_tokens=64, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=OFF))
+    # Over more than a second of chunks (64 tokens): "each chunk has the same timestamp".
+    assert len(chunks) > 30 and len({c.created for c in chunks}) == 1

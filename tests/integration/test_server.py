@@ -152,6 +152,9 @@ def test_models_endpoint_lists_the_one_served_model(served: Served) -> None:
     models = oai(served).models.list().data
     assert [m.id for m in models] == [served.model]
     assert models[0].owned_by == "homespec"
+    assert oai(served).models.retrieve(served.model) == models[0]  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        oai(served).models.retrieve("gpt-4o")
 
 
 def test_chat_without_stream_returns_text_usage_with_cached_tokens_and_homespec_extension(served: Served) -> None:

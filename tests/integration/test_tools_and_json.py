@@ -183,6 +183,33 @@ def test_json_object_answer_is_a_json_object(served: Served) -> None:
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_tools_with_response_format_answer_with_a_call_or_the_json_asked_for(served: Served) -> None:
+    """As OpenAI does (agent frameworks send both): the answer calls a tool or is the schema's JSON.
+    (Which of the two is the model's choice: asked for the weather under auto, this 1.5B model
+    answers with the schema's JSON, so the call is asked for with tool_choice "required".)"""
+    client = oai(served)
+    weather = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": WEATHER_Q}], tools=TOOLS,
+                                             tool_choice="required", response_format=_schema_format(PERSON), max_tokens=80, temperature=0)
+    (call,) = weather.choices[0].message.tool_calls
+    assert weather.choices[0].finish_reason == "tool_calls" and "paris" in _valid_call(call)["city"].lower()
+    person = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": JSON_PROMPTS[0]}], tools=TOOLS,
+                                            response_format=_schema_format(PERSON), max_tokens=120, temperature=0)
+    assert not person.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(person.choices[0].message.content), PERSON)
+
+
+def test_response_format_holds_under_tool_choice_none_and_without_a_schema(served: Served) -> None:
+    client = oai(served)
+    r = client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Give me a JSON object describing Paris weather."}],
+                                       tools=TOOLS, tool_choice="none", response_format={"type": "json_object"}, max_tokens=60, temperature=0)
+    assert isinstance(json.loads(r.choices[0].message.content), dict) and not r.choices[0].message.tool_calls
+    # json_schema's schema is optional in OpenAI's API: any JSON value.
+    r = post_chat(served, {"messages": [{"role": "user", "content": "The three primary colours, as a JSON list."}], "max_tokens": 40,
+                           "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "answer"}}})
+    assert r.status_code == 200, r.text
+    json.loads(r.json()["choices"][0]["message"]["content"])
+
+
 def test_gbnf_grammar_constrains_the_answer(served: Served) -> None:
     r = post_chat(served, {"messages": [{"role": "user", "content": "Is Paris in France? Answer yes or no."}],
                            "grammar": 'root ::= ("yes" | "no") "."', "max_tokens": 8, "temperature": 0})
@@ -224,7 +251,7 @@ BAD = [
     ("bad-grammar", {"grammar": "root ::= undefined"}, "grammar"),
     ("tool-choice-unknown-name", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, None),
     ("tool-choice-without-tools", {"tool_choice": "required"}, None),
-    ("tools-and-json", {"tools": TOOLS, "response_format": {"type": "json_object"}}, None),
+    ("tools-and-grammar", {"tools": TOOLS, "grammar": 'root ::= "x"'}, None),
     ("bad-tool-name", {"tools": [{"type": "function", "function": {"name": "has space"}}]}, None),
     ("history-arguments-not-json", {"messages": [
         {"role": "user", "content": "hi"},

@@ -55,6 +55,12 @@ def test_top_p_keeps_smallest_nucleus_reaching_mass():
     assert set(np.flatnonzero(p)) == {0, 1, 2}
 
 
+def test_top_p_zero_keeps_only_the_likeliest_token():
+    """As llama.cpp's top-p keeps at least one token: some UIs send 0 for "no randomness"."""
+    p = probabilities(np.log(np.array([0.2, 0.5, 0.3])), SamplingParams(temperature=1.0, top_p=0.0))
+    assert p.tolist() == [0.0, 1.0, 0.0]
+
+
 def test_top_p_on_large_vocab_matches_full_sort():
     rng = np.random.default_rng(0)
     z = rng.normal(size=50_000) * 0.3  # flat: the nucleus is far beyond the first candidate set
@@ -113,7 +119,7 @@ def test_sample_never_draws_a_zero_probability_token():
     assert draws == {1, 3}
 
 
-@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0), ("top_k", -1)])
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("top_p", -0.1), ("top_p", 1.5), ("min_p", 2.0), ("top_k", -1)])
 def test_out_of_range_parameters_are_refused_with_their_name(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

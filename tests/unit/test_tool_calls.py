@@ -261,3 +261,21 @@ def test_calls_stream_as_openai_deltas_and_the_finish_reason_says_so(legacy):
 def test_under_tool_choice_none_a_call_shaped_answer_is_text():
     message, finish = chat_message(CALL, "stop", ToolUse(HERMES, [], False))
     assert finish == "stop" and message == {"role": "assistant", "content": CALL}
+
+
+def test_tool_schemas_compile_leniently_so_one_odd_tool_does_not_refuse_the_request():
+    odd = {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                                            "scene": {"type": "string", "format": "entity_id"}},
+           "not": {"required": ["both"]}}
+    grammar = call_grammar(HERMES, {**WEATHER, "set_scene": odd, "all_off": {"type": "object", "properties": None}}, "auto", True)
+    assert allows(grammar, f"<tool_call>\n{BODY}\n</tool_call>")
+    assert allows(grammar, '<tool_call>\n{"name": "all_off", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_with_an_answer_schema_the_answer_is_that_json_or_calls_and_nothing_else(choice):
+    person = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}
+    grammar = call_grammar(HERMES, WEATHER, choice, True, answer=person)
+    assert allows(grammar, '{"name": "Ada"}')
+    assert not allows(grammar, "Ada is a person.") and not allows(grammar, '{"age": 3}')
+    assert allows(grammar, f"<tool_call>\n{BODY}\n</tool_call>") == (choice == "auto")

@@ -4,6 +4,7 @@ responses, and the bridge that carries a job's events from the worker thread to 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.types import Receive
 
 from homespec.config import Config
@@ -46,7 +47,7 @@ RETRY_AFTER_503_S = 5
 OLLAMA_PREFIX = "/api/"
 
 
-def error_response(e: oa.ApiError, path: str = "") -> JSONResponse:
+def error_response(e: oa.ApiError, path: str = "") -> Response:
     """The error as JSON: OpenAI's shape, or Ollama's under /api/ (path: the request's)."""
     headers = dict(e.headers or {})
     if e.status == 503 and not any(k.lower() == "retry-after" for k in headers):
@@ -56,7 +57,9 @@ def error_response(e: oa.ApiError, path: str = "") -> JSONResponse:
         body: dict = {"error": e.message if named else f"{e.param}: {e.message}"}
     else:
         body = e.body()
-    return JSONResponse(body, status_code=e.status, headers=headers)
+    # ASCII JSON: a message that quotes the request (a model name) may hold a lone surrogate,
+    # which UTF-8 cannot encode.
+    return Response(json.dumps(body), status_code=e.status, headers=headers, media_type="application/json")
 
 
 def shutting_down_error() -> oa.ApiError:

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from homespec.config import Config, Mode
 from homespec.errors import ModelError, UserError
@@ -122,12 +123,12 @@ async def root() -> PlainTextResponse:
     return PlainTextResponse("Ollama is running")  # what Ollama answers; its CLI probes it
 
 
-@router.get("/api/version")
+@router.api_route("/api/version", methods=["GET", "HEAD"])
 async def version() -> dict:
     return {"version": ol.OLLAMA_VERSION}
 
 
-@router.get("/api/tags")
+@router.api_route("/api/tags", methods=["GET", "HEAD"])  # HEAD: Ollama's liveness probe too
 async def tags(request: Request) -> dict:
     cfg = daemon_of(request).cfg
     _path, st, card, digest = await _model(cfg)
@@ -239,8 +240,6 @@ async def chat(request: Request, body: ol.ChatRequest) -> Any:
     messages = body.template_messages()
     defs = [t.function.template() for t in body.tools or []] or None
     tools = tool_use(daemon, [t.function.name for t in body.tools]) if body.tools else None
-    if tools is not None and body.format:
-        raise oa.ApiError(400, "format and tools cannot be combined (each constrains the whole answer)", param="format")
     grammar = _grammar(body.format, tools, body)
     job = _job(daemon, body, grammar, lambda models: models.encode_chat(messages, tools=defs))
     return await _answer(request, body, job, "chat", tools, t0)
@@ -268,17 +267,19 @@ async def generate(request: Request, body: ol.GenerateRequest) -> Any:
 
 
 def _grammar(fmt: ol.Format, tools: ToolUse | None, body: ol.ChatRequest | ol.GenerateRequest) -> str | None:
+    """Tool calls and/or the format's JSON (the answer is one or the other, as in Ollama). A
+    format schema's keywords that cannot be enforced are ignored, as Ollama's llama.cpp ignores them."""
+    answer = {"type": "object"} if fmt == "json" else fmt if isinstance(fmt, dict) else None
+    param = "format"
     try:
-        if tools is not None and isinstance(body, ol.ChatRequest):
-            params = {t.function.name: t.function.parameters or {} for t in body.tools or []}
-            return call_grammar(tools.fmt, params, "auto", parallel=True)
-        if fmt == "json":
-            return json_schema_grammar({"type": "object"})
-        if isinstance(fmt, dict):
-            return json_schema_grammar(fmt)
+        alone = json_schema_grammar(answer, lenient=True) if answer is not None else None  # its own errors name it
+        if tools is None or not isinstance(body, ol.ChatRequest):
+            return alone
+        param = "tools"
+        params = {t.function.name: t.function.parameters or {} for t in body.tools or []}
+        return call_grammar(tools.fmt, params, "auto", parallel=True, answer=answer, answer_lenient=True)
     except GrammarError as e:
-        raise oa.ApiError(400, str(e), param="tools" if tools is not None else "format") from None
-    return None
+        raise oa.ApiError(400, str(e), param=param) from None
 
 
 def _request(daemon: Daemon, body: ol.ChatRequest | ol.GenerateRequest, grammar: str | None) -> GenerationRequest:
@@ -424,6 +425,14 @@ class _Reply:
             out["homespec"] = {**homespec_extra(self.daemon, ev.stats, self.meta),
                                "prompt_tokens": ev.stats.prompt_tokens, "cached_tokens": ev.stats.cached_tokens}
         return out
+
+
+@router.get("/api/{rest:path}", include_in_schema=False)
+async def unknown(request: Request, rest: str) -> None:
+    """A GET of a path Ollama does not have: 404 (a path only POSTed to: 405, naming the method)."""
+    if any(r.path == f"/api/{rest}" and "POST" in r.methods for r in router.routes if isinstance(r, APIRoute)):
+        raise oa.ApiError(405, "method not allowed: POST it", headers={"Allow": "POST"})
+    raise oa.ApiError(404, f"/api/{rest} not found", code="not_found")
 
 
 @router.api_route("/api/{rest:path}", methods=["POST", "DELETE"], include_in_schema=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -48,8 +49,19 @@ log = logging.getLogger("homespec.serving.openai")
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [_model_card(daemon_of(request))]}
+
+
+@router.get("/v1/models/{name:path}")
+async def model(request: Request, name: str) -> dict:
+    """One model (the openai client's models.retrieve): the served one, by its id or `homespec`."""
     daemon = daemon_of(request)
-    return {"object": "list", "data": [{"id": model_id(daemon.cfg), "object": "model", "created": int(daemon.started), "owned_by": "homespec"}]}
+    check_model(daemon.cfg, name)
+    return _model_card(daemon)
+
+
+def _model_card(daemon: Daemon) -> dict:
+    return {"id": model_id(daemon.cfg), "object": "model", "created": int(daemon.started), "owned_by": "homespec"}
 
 
 @router.post("/v1/chat/completions")
@@ -70,23 +82,23 @@ def _tool_use(daemon: Daemon, body: oa.ChatRequest) -> ToolUse | None:
 
 
 def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
-    """The constraint the request asks for (the request model allows one at most)."""
-    rf = body.response_format
+    """The constraint the request asks for: tool calls and/or response_format's JSON, or a grammar
+    (alone; the request model refuses it with either). Under tool_choice "none" with a grammar,
+    the grammar is the answer's."""
+    answer = body.answer_schema()
+    param = "grammar"
     try:
-        if tools is not None:
-            params = {f.name: f.parameters or {} for f in body.tool_defs()}
-            return call_grammar(tools.fmt, params, body.choice(), body.parallel_tool_calls and not tools.legacy)
-        if rf is not None and rf.type == "json_object":
-            return json_schema_grammar({"type": "object"})
-        if rf is not None and rf.type == "json_schema":
-            assert rf.json_schema is not None  # the request model checks it
-            return json_schema_grammar(rf.json_schema.schema_)
         if body.grammar is not None:
             return lark_grammar(body.grammar)
+        param = "response_format"
+        alone = json_schema_grammar(answer) if answer is not None else None  # its own errors name it
+        if tools is None:
+            return alone
+        param = "tools"
+        params = {f.name: f.parameters or {} for f in body.tool_defs()}
+        return call_grammar(tools.fmt, params, body.choice(), body.parallel_tool_calls and not tools.legacy, answer=answer)
     except GrammarError as e:
-        param = "tools" if tools is not None else "response_format" if rf is not None else "grammar"
         raise oa.ApiError(400, str(e), param=param) from None
-    return None
 
 
 @router.post("/v1/completions")
@@ -222,7 +234,7 @@ async def _next_or_cut(request: Request, bridge: Bridge) -> JobEvent | None:
 
 async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, kind: Kind, rid: str, model: str, meta: dict,
                   include_usage: bool, tools: ToolUse | None, lps: _Logprobs | None = None) -> AsyncIterator[dict]:
-    created = None
+    created = int(time.time())  # every chunk of a stream carries the same one
     deltas = ChatDeltas(tools)
     if kind == "chat":
         def empty() -> dict:
@@ -245,7 +257,7 @@ async def _stream(request: Request, daemon: Daemon, bridge: Bridge, job: Job, ki
             return [oa.completion_chunk(rid, model, "", reason, created)]
     try:
         if kind == "chat":
-            yield {"data": json.dumps(oa.chat_chunk(rid, model, {"role": "assistant", "content": ""}))}
+            yield {"data": json.dumps(oa.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created))}
         while True:
             ev = await _next_or_cut(request, bridge)
             if ev is None:
