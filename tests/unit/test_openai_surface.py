@@ -184,6 +184,18 @@ def test_a_refused_field_is_a_400_naming_it(server: tuple[str, Daemon], path: st
     assert err["param"] == field and field in err["message"], err
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ("/v1/completions", {"prompt": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": 3}, "stop"),
+])
+def test_a_wrong_type_in_a_union_field_names_the_field_not_the_member_tried(server: tuple[str, Daemon], path: str, body: dict,
+                                                                            param: str) -> None:
+    url, _ = server
+    r = post(url, path, {**body, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 @pytest.mark.parametrize("part", [
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
     {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},

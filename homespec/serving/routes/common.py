@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import threading
 import time
 import weakref
@@ -89,12 +90,17 @@ def job_error(ev: JobEvent) -> oa.ApiError:
     return oa.ApiError(ev.status, ev.text, type="server_error" if ev.status >= 500 else "invalid_request_error", code=ev.code)
 
 
+_UNION_MEMBER = re.compile(r"str|int|float|bool|[a-z][a-z-]*\[.*\]")
+
+
 def validation_error(e: RequestValidationError) -> oa.ApiError:
     errs = e.errors()
     first = errs[0] if errs else {}
     if first.get("type") == "json_invalid":
         return oa.ApiError(400, "request body is not valid JSON", code="invalid_json")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # pydantic names the union member it tried in the location (`content.str`, `prompt.list[int]`,
+    # `x.function-after[...]`): not a field the client sent, so left out.
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_MEMBER.fullmatch(str(x))]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "missing" and param is None:

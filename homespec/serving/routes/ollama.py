@@ -267,8 +267,9 @@ async def generate(request: Request, body: ol.GenerateRequest) -> Any:
 
 
 def _grammar(fmt: ol.Format, tools: ToolUse | None, body: ol.ChatRequest | ol.GenerateRequest) -> str | None:
-    """Tool calls and/or the format's JSON (the answer is one or the other, as in Ollama). A
-    format schema's keywords that cannot be enforced are ignored, as Ollama's llama.cpp ignores them."""
+    """Tool calls and/or the format's JSON: with both, the answer is one or the other (Ollama's own
+    grammar allows only the JSON). A format schema's keywords that cannot be enforced are ignored,
+    as Ollama's llama.cpp ignores them."""
     answer = {"type": "object"} if fmt == "json" else fmt if isinstance(fmt, dict) else None
     param = "format"
     try:
