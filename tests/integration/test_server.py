@@ -291,7 +291,7 @@ BAD_INPUT = [
     ("temperature-negative", "POST", "/v1/chat/completions", chat_body(PARIS, 4, temperature=-0.5), 400, None, "temperature"),
     ("temperature-nan", "POST", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None, "temperature"),
-    ("top-p-zero", "POST", "/v1/chat/completions", chat_body(PARIS, 4, top_p=0), 400, None, "top_p"),
+    ("top-p-negative", "POST", "/v1/chat/completions", chat_body(PARIS, 4, top_p=-0.1), 400, None, "top_p"),
     ("top-p-above-one", "POST", "/v1/chat/completions", chat_body(PARIS, 4, top_p=1.5), 400, None, "top_p"),
     ("max-tokens-zero", "POST", "/v1/chat/completions", chat_body(PARIS, 0), 400, None, "max_tokens"),
     ("max-tokens-negative", "POST", "/v1/chat/completions", chat_body(PARIS, -5), 400, None, "max_tokens"),
