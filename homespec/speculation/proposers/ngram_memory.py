@@ -129,13 +129,8 @@ class NgramMemory:
         all_gaps = np.full(len(context) - start, np.nan, np.float32)  # [prompt tail + answer]
         if len(gaps) == len(context) - prompt_len:
             all_gaps[prompt_len - start :] = gaps
-        entry = _Entry([int(t) for t in context[start + cut :]], question if cut == 0 else None, prompt_len - start - cut,
-                       all_gaps[cut:])
-        with self._lock:
-            if len(self._tokens) + len(entry.tokens) + 1 > self.capacity:
-                self._drop_oldest(len(entry.tokens) + 1)
-            self._entries.append(entry)
-            self._index(entry)
+        self._append(_Entry([int(t) for t in context[start + cut :]], question if cut == 0 else None, prompt_len - start - cut,
+                            all_gaps[cut:]))
 
     def clear(self) -> None:
         with self._lock:
@@ -166,14 +161,17 @@ class NgramMemory:
             start = end - int(lengths[i])
             entry = _Entry(arrays["tokens"][start:end].tolist(), int(arrays["questions"][i]) if arrays["known"][i] else None,
                            int(arrays["answer_at"][i]), arrays["gaps"][start:end].astype(np.float32))
-            with self._lock:
-                if len(self._tokens) + len(entry.tokens) + 1 > self.capacity:
-                    if len(entry.tokens) + 1 > self.capacity:
-                        continue
-                    self._drop_oldest(len(entry.tokens) + 1)
-                self._entries.append(entry)
-                self._index(entry)
+            if len(entry.tokens) + 1 <= self.capacity:  # (a memory made smaller since: too long to keep)
+                self._append(entry)
         return self.answers
+
+    def _append(self, entry: _Entry) -> None:
+        """Keep `entry` (it fits the capacity with its separator), the oldest dropped for room."""
+        with self._lock:
+            if len(self._tokens) + len(entry.tokens) + 1 > self.capacity:
+                self._drop_oldest(len(entry.tokens) + 1)
+            self._entries.append(entry)
+            self._index(entry)
 
     def lookup(self, context: Sequence[int], k: int, cap: int, question: int | None = None, answered: int = 0) -> Recall:
         """The continuation [<= k] of the context where the memory holds what follows it, and the
