@@ -10,6 +10,7 @@ pays much. It runs again at once with huge pages asked for where the daemon woul
 (hugepages.environ_with_huge_pages); PYTHONPATH may point at another llama_cpp build.
 
     .venv/bin/python scripts/pass_cost.py [--history 1000] [--rounds 6] [--no-repack] [--rows 1,5,17,33]
+                                          [--flash-attn on|off]
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--no-repack", action="store_true", help="llama.cpp's weights as stored (use_extra_bufts off)")
     ap.add_argument("--rows", type=lambda s: sorted({1, *(int(x) for x in s.split(","))}), default=list(ROWS),
                     help=f"comma-separated pass sizes of one sequence (1 is always timed; default {','.join(map(str, ROWS))})")
+    ap.add_argument("--flash-attn", choices=["on", "off"], default="off",
+                    help="llama.cpp's flash attention (runtime.flash_attn; default off, as the daemon)")
     args = ap.parse_args()
     env = environ_with_huge_pages()  # None: already asked for, or nothing to change here
     if env is not None:
@@ -46,7 +49,8 @@ def main() -> None:
     rng = random.Random(0)
     rt = Runtime(
         TARGET,
-        RuntimeOptions(n_ctx=4096, n_seq=max(SEQS), n_threads=physical_cores(), kv_unified=False, repack=not args.no_repack),
+        RuntimeOptions(n_ctx=4096, n_seq=max(SEQS), n_threads=physical_cores(), kv_unified=False, repack=not args.no_repack,
+                       flash_attn=args.flash_attn == "on"),
     )
     slots = [rt.slot(i) for i in range(max(SEQS))]
     history = [rng.randrange(100, 20000) for _ in range(args.history)]
@@ -71,6 +75,7 @@ def main() -> None:
                 slots[i].truncate(args.history)
     print(llama_cpp.llama_print_system_info().decode().strip())
     print(f"{physical_cores()} threads, {args.history} tokens of history, repack {'off' if args.no_repack else 'on'}, "
+          f"flash attention {args.flash_attn}, "
           f"medians of {args.rounds}")
     one = statistics.median(times[f"{1:>2} rows of one sequence"])  # seconds
     for label, ts in times.items():

@@ -252,6 +252,8 @@ class Runtime:
             t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self._vocab, t)
         )
         self.bos_id: int = llama_cpp.llama_vocab_bos(self._vocab)
+        eot = llama_cpp.llama_vocab_eot(self._vocab)  # end of text (turn), else end of sentence, as llama.cpp's infill sampler
+        self.eot_id: int = eot if eot >= 0 else llama_cpp.llama_vocab_eos(self._vocab)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
         self.last_hidden: np.ndarray | None = None  # [n_out, n_embd] from the last eval, if enabled
         self._embeddings_on = opts.embeddings  # llama.cpp's current setting (toggled per batch)

@@ -9,10 +9,11 @@ controller calibrate on this machine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ from homespec.speculation.batch import Batch
 from homespec.speculation.constraints import Grammar
 from homespec.speculation.controller import Controller, make_policy
 from homespec.speculation.engine import Engine, Event, GenerationStats, Steps
+from homespec.speculation.infill_sampler import InfillVocab
 from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.mtp import MTPProposer
@@ -55,6 +57,7 @@ class GenerationRequest:
     k: int | None = None  # fixed modes; None = config's speculation.k
     grammar: str | None = None  # llguidance grammar every token must follow (constraints.py)
     logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
+    infill: bool = False  # llama.cpp's infill sampler ends the chain (/infill's `samplers`; sampling.py)
 
 
 def build_request(
@@ -368,13 +371,23 @@ class Host:
     def generate(self, tokens: Sequence[int], req: GenerationRequest) -> Generation:
         """One generation by itself, in slot 0."""
         stats = GenerationStats()
-        events = self.engine.generate(tokens, req.params, req.max_tokens, req.stop, stats=stats, **self._setup(tokens, req, 0))
+        events = self.engine.generate(tokens, self._params(req), req.max_tokens, req.stop, stats=stats, **self._setup(tokens, req, 0))
         return Generation(events, stats)
 
     def steps(self, tokens: Sequence[int], req: GenerationRequest, slot: int, stats: GenerationStats) -> Steps:
         """The same generation in `slot`, as the coroutine a Batch drives (engine.Engine.steps)."""
         engine = Engine(self.models.target.slot(slot))
-        return engine.steps(tokens, req.params, req.max_tokens, req.stop, stats=stats, **self._setup(tokens, req, slot))
+        return engine.steps(tokens, self._params(req), req.max_tokens, req.stop, stats=stats, **self._setup(tokens, req, slot))
+
+    def _params(self, req: GenerationRequest) -> SamplingParams:
+        """The request's sampling, with the infill sampler bound to this target's vocabulary."""
+        return replace(req.params, infill=self._infill_vocab) if req.infill else req.params
+
+    @functools.cached_property
+    def _infill_vocab(self) -> InfillVocab:
+        t = self.models.target
+        # A token's text is looked up when it is first a candidate (~4 µs through ctypes), then kept.
+        return InfillVocab(piece=functools.lru_cache(maxsize=None)(t.piece), is_eog=t.is_eog, eot=t.eot_id)
 
     def _setup(self, tokens: Sequence[int], req: GenerationRequest, slot: int) -> dict[str, Any]:
         """Check the request, build its policy and grammar, make its slot's cache ready."""

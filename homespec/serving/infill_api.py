@@ -6,7 +6,11 @@ The request is llama.cpp's: `input_prefix`, `input_suffix`, `input_extra` ([{"fi
 mapped onto its sampling (`repeat_penalty` is repetition_penalty; temperature <= 0 and top_k <= 0
 mean greedy and off, as in llama.cpp). Those it lacks are refused by name when set to a value that
 would change the answer, and accepted at their neutral value, because clients send their whole
-default set. Options that only steer llama.cpp's cache or slots (`cache_prompt`, `id_slot`,
+default set. `samplers` (llama.cpp's order of its sampler chain, which llama.vscode and llama.vim
+send as ["top_k", "top_p", "infill"]) is followed where homespec's fixed chain gives the same
+answer: the samplers it lists act, the others do nothing (as in llama.cpp: no temperature listed
+is temperature 1), and `infill` is llama.cpp's infill sampler (speculation/infill_sampler.py).
+Options that only steer llama.cpp's cache or slots (`cache_prompt`, `id_slot`,
 `t_max_prompt_ms`) are accepted and have nothing to do here; so is `model`, as in llama.cpp.
 homespec's own `homespec` object (speculation mode, k) works as on the OpenAI routes.
 
@@ -21,8 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from homespec.errors import UserError
 from homespec.serving.openai_api import HomespecOptions, stop_strings
 from homespec.speculation.engine import GenerationStats
+from homespec.speculation.sampling import SamplingParams
 
 # llama.cpp's penalty window when none is given; homespec's is fixed at the same 64 (sampling.py).
 PENALTY_LAST_N = 64
@@ -47,6 +53,66 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "multimodal_data": (None, []),
     "return_tokens": (False,),  # token ids in the answer: homespec streams text only
 }
+
+
+# llama.cpp's sampler names (common/sampling.cpp): these, their kebab-case and run-together
+# spellings ("top-k", "topk"), three aliases, and the one-letter codes of a string ("kpi").
+SAMPLER_CODES = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+_SAMPLER_NAMES = {
+    **{n: n for n in SAMPLER_CODES.values()},
+    **{n.replace("_", "-"): n for n in SAMPLER_CODES.values()},
+    **{n.replace("_", ""): n for n in SAMPLER_CODES.values()},
+    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+}
+# Where each sampler sits in homespec's fixed chain (sampling.py). A listed order is followed when
+# the samplers that act come in this order; top_k shares temperature's place, as a top-k cut keeps
+# the same tokens before or after tempering. The samplers homespec lacks (dry, typ_p, top_n_sigma,
+# xtc) may be listed at their neutral values (NEUTRAL), where they do nothing.
+CHAIN_PLACE = {"penalties": 0, "temperature": 1, "top_k": 1, "top_p": 2, "min_p": 3, "infill": 4}
+# infill compares every candidate with every other (quadratic, as in llama.cpp), so a top-k cut
+# before it must bound them. llama.vscode and llama.vim send 40, llama.cpp's default.
+INFILL_MAX_TOP_K = 256
+
+
+def sampler_chain(samplers: list[str] | str) -> list[str]:
+    """llama.cpp's `samplers` (names, or a string of one-letter codes) as canonical names in
+    their order; ValueError naming one homespec does not know or cannot follow."""
+    if isinstance(samplers, str):
+        bad = [c for c in samplers if c not in SAMPLER_CODES]
+        names = [SAMPLER_CODES.get(c, c) for c in samplers]
+    else:
+        bad = [n for n in samplers if n.lower() not in _SAMPLER_NAMES]
+        names = [_SAMPLER_NAMES.get(n.lower(), n) for n in samplers]
+    if bad:
+        raise ValueError(f"samplers: unknown sampler {bad[0]!r} (llama.cpp's are {', '.join(SAMPLER_CODES.values())})")
+    if "adaptive_p" in names:  # it replaces the final draw: homespec always draws from the chain's distribution
+        raise ValueError("not supported (it would change the answer): samplers with 'adaptive_p'")
+    return names
+
+
+def check_chain(names: list[str], params: SamplingParams) -> None:
+    """UserError unless homespec's chain, with these values, samples as llama.cpp's chain in this
+    order would (params: the request's, resolved against the config's defaults)."""
+    acting = {
+        "penalties": params.has_penalties,
+        "temperature": params.temperature != 1.0,
+        # Greedy, every cut keeps the likeliest token, and infill then keeps it too.
+        "top_k": params.top_k > 0 and not params.greedy,
+        "top_p": params.top_p < 1.0 and not params.greedy,
+        "min_p": params.min_p > 0.0 and not params.greedy,
+        "infill": not params.greedy,
+    }
+    order = [n for n in names if acting.get(n)]
+    for a, b in zip(order, order[1:], strict=False):
+        if a == b:
+            raise UserError(f"samplers: {a!r} is listed twice; homespec applies each sampler once")
+        if CHAIN_PLACE[b] < CHAIN_PLACE[a]:
+            raise UserError(f"samplers: {a!r} before {b!r} is an order homespec cannot follow with these values "
+                            f"(its chain: {', '.join(CHAIN_PLACE)})")
+    if "infill" in order and not (0 < params.top_k <= INFILL_MAX_TOP_K and "top_k" in names):
+        raise UserError(f"samplers: 'infill' needs a top_k of 1-{INFILL_MAX_TOP_K} listed before it "
+                        "(it compares every candidate with every other)")
 
 
 class ExtraChunk(BaseModel):
@@ -90,10 +156,7 @@ class InfillRequest(BaseModel):
     def _unsupported(self) -> InfillRequest:
         extra = self.model_extra or {}
         bad = [f"{k}={extra[k]!r}" for k in NEUTRAL if k in extra and not _neutral(extra[k], NEUTRAL[k])]
-        if self.samplers is not None and self.limit() != 0:
-            # homespec's chain is fixed (penalties, temperature, top_k, top_p, min_p; sampling.py);
-            # it has no "infill" sampler and cannot reorder. Nothing is sampled with n_predict 0.
-            bad.append(f"samplers={self.samplers!r} (set temperature, top_k, top_p, min_p instead)")
+        self.chain()  # an unknown sampler, named
         penalised = (self.repeat_penalty not in (None, 1) or bool(self.presence_penalty) or bool(self.frequency_penalty))
         if penalised and self.repeat_last_n not in (None, PENALTY_LAST_N):
             bad.append(f"repeat_last_n={self.repeat_last_n!r} (the penalty window is {PENALTY_LAST_N})")
@@ -106,8 +169,26 @@ class InfillRequest(BaseModel):
         n = self.n_predict if self.n_predict is not None else self.max_tokens
         return None if n is None or n < 0 else n
 
+    def chain(self) -> list[str] | None:
+        """The sampler order asked for; None: homespec's own (none given, or nothing is sampled:
+        n_predict 0, which editors send with `samplers: []` to warm the cache)."""
+        if self.samplers is None or self.limit() == 0:
+            return None
+        return sampler_chain(self.samplers)
+
     def sampling(self) -> dict[str, Any]:
-        return llama_sampling(self)
+        """build_request's overrides. With `samplers`, one not listed does nothing, as in llama.cpp
+        (temperature 1, no cut, no penalty), whatever value the request gave it."""
+        s = llama_sampling(self)
+        chain = self.chain()
+        if chain is not None:
+            unlisted = {"temperature": {"temperature": 1.0}, "top_k": {"top_k": 0}, "top_p": {"top_p": 1.0},
+                        "min_p": {"min_p": 0.0},
+                        "penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}}
+            for name, neutral in unlisted.items():
+                if name not in chain:
+                    s.update(neutral)
+        return s
 
     def stops(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]

@@ -5,12 +5,13 @@ transform of their logits (Leviathan et al., 2023, section 2.3). So everything t
 distribution lives here, and the engine, the draft proposer and the verifier all call it:
 
     logits --logit_bias--> --penalties(recent tokens)--> --/temperature--> softmax
-           --top_k--> --top_p--> --min_p--> p
+           --top_k--> --top_p--> --min_p--> [--infill-->] p
 
 Order: the logit bias and the penalties first (they change logits; the bias first, as in
 llama.cpp's sampler chain), then temperature, then the truncations on the tempered distribution
 (the order of Hugging Face's `generate`; llama.cpp truncates before tempering, which differs
-only when top_p/min_p and temperature are both set).
+only when top_p/min_p and temperature are both set). llama.cpp's infill sampler, which editor
+plugins ask `/infill` for, ends the chain when a request sets it (infill_sampler.py).
 
 The logit bias is OpenAI's: a number in [-100, 100] added to a token's logit; -100 bans the
 token in practice, +100 all but forces it. Being part of `penalize`, it reaches the target's
@@ -42,6 +43,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from homespec.speculation.infill_sampler import InfillVocab, infill_cut
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -58,6 +61,9 @@ class SamplingParams:
     seed: int | None = None
     # OpenAI's logit_bias: (token id, bias) pairs, ids ascending; added to those logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # llama.cpp's infill sampler after the cuts, over this vocabulary; None = not asked for.
+    # Bound to the loaded target (host.Session.steps), as a request only names it.
+    infill: InfillVocab | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -150,6 +156,8 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.min_p > 0.0:
         p = np.where(p >= params.min_p * p.max(), p, 0.0)
         p /= p.sum()
+    if params.infill is not None:
+        p = infill_cut(p, params.infill)
     return p
 
 

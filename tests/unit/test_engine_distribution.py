@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 
 from homespec.speculation import engine as engine_mod
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
+from homespec.speculation.infill_sampler import InfillVocab
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.sampling import SamplingParams, penalize, probabilities, window, with_logit_bias
 
@@ -59,12 +60,13 @@ def exact_starts(params: SamplingParams) -> dict[tuple[int, ...], float]:
     return out
 
 
-def generate_starts(k: int, seeded: bool, draws: int = DRAWS, bias: dict[int, float] | None = None) -> tuple[list[tuple[int, ...]], float]:
+def generate_starts(k: int, seeded: bool, draws: int = DRAWS, bias: dict[int, float] | None = None,
+                    **overrides: object) -> tuple[list[tuple[int, ...]], float]:
     """The first N_TOKENS tokens of `draws` generations; and the acceptance rate."""
     eng, d = Engine(target()), draft()
     starts, accepted, proposed = [], 0, 0
     for i in range(draws):
-        params = with_logit_bias(SamplingParams(**PARAMS, seed=i if seeded else None), bias)
+        params = with_logit_bias(SamplingParams(**{**PARAMS, **overrides}, seed=i if seeded else None), bias)  # type: ignore[arg-type]
         policy = FixedPolicy(d, k) if k else FixedPolicy()
         st = GenerationStats()
         toks = [t for ev in eng.generate(PROMPT, params, max_tokens=N_TOKENS + 1, policy=policy, stats=st) for t in ev.tokens]
@@ -120,6 +122,26 @@ def test_a_logit_bias_keeps_speculation_exact_and_a_banned_token_never_comes(see
     assert all(0 not in s for s in starts)
     p = fit_pvalue(starts, exact_starts(with_logit_bias(SamplingParams(**PARAMS), bias)))
     assert p > 1e-3, f"biased: first {N_TOKENS} tokens not distributed as the biased target's (chi-square p = {p:.2g})"
+
+
+# Texts that begin one another ("a", "ab", "abc"; "c", "ca"), so that llama.cpp's infill sampler
+# merges candidates; 7 ends the text.
+INFILL_PIECES = [b"a", b"ab", b"b", b"abc", b"c", b"ca", b"d", b""]
+INFILL = InfillVocab(piece=INFILL_PIECES.__getitem__, is_eog=lambda t: t == 7, eot=7)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_the_infill_sampler_keeps_speculation_exact(seeded, fixed_rng):
+    """/infill's `samplers: [top_k, top_p, infill]` (editor plugins): the cut is part of the one
+    transform, so target rows, the first token and the draft's q all go through it. Tempered
+    flatter (3), so that the cut leaves several starts and drafts are also rejected."""
+    infill = {"infill": INFILL, "temperature": 3.0}
+    starts, acceptance = generate_starts(3, seeded=seeded, **infill)
+    assert 0.3 < acceptance < 0.98
+    exact = exact_starts(SamplingParams(**{**PARAMS, **infill}))  # type: ignore[arg-type]
+    assert 5 <= len(exact) < len(exact_starts(SamplingParams(**{**PARAMS, "temperature": 3.0})))  # the cut removed candidates
+    p = fit_pvalue(starts, exact)
+    assert p > 1e-3, f"infill: first {N_TOKENS} tokens not distributed as the target's (chi-square p = {p:.2g})"
 
 
 def test_the_exact_reference_is_a_distribution_over_starts():

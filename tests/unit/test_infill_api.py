@@ -5,21 +5,77 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from homespec.serving.infill_api import Cutoff, InfillRequest, select_fields, stop_type, timings
+from homespec.errors import UserError
+from homespec.serving.infill_api import Cutoff, InfillRequest, check_chain, select_fields, stop_type, timings
 from homespec.speculation.engine import GenerationStats
+from homespec.speculation.sampling import SamplingParams
 
 BASE = {"input_prefix": "def f():\n", "input_suffix": "\n"}
 
-# What llama.vscode sends with every completion (src/llama-server.ts), less its `samplers`.
+# What llama.vscode sends with every completion (src/llama-server.ts; llama.vim's is the same but
+# for response_fields).
 LLAMA_VSCODE = {**BASE, "input_extra": [{"filename": "a.py", "text": "x = 1\n"}], "prompt": "    ",
-                "n_predict": 128, "top_k": 40, "top_p": 0.99, "stream": False, "cache_prompt": True,
-                "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "n_indent": 4}
+                "n_predict": 128, "top_k": 40, "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+                "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "n_indent": 4}
 
 
 def test_an_editor_request_maps_onto_homespec_sampling():
     r = InfillRequest.model_validate(LLAMA_VSCODE)
     assert r.limit() == 128 and r.input_extra[0].filename == "a.py"
-    assert r.sampling()["top_k"] == 40 and r.sampling()["top_p"] == 0.99 and r.sampling()["temperature"] is None
+    assert r.chain() == ["top_k", "top_p", "infill"]
+    # No temperature listed: llama.cpp draws at temperature 1, whatever the request or server default.
+    assert r.sampling()["top_k"] == 40 and r.sampling()["top_p"] == 0.99 and r.sampling()["temperature"] == 1.0
+    check_chain(r.chain(), SamplingParams(temperature=1.0, top_k=40, top_p=0.99))  # an order homespec follows
+
+
+def test_without_samplers_unset_options_keep_the_servers_defaults():
+    r = InfillRequest.model_validate({k: v for k, v in LLAMA_VSCODE.items() if k != "samplers"})
+    assert r.chain() is None and r.sampling()["temperature"] is None and r.sampling()["top_k"] == 40
+
+
+@pytest.mark.parametrize("samplers", [["top_k", "top_p", "infill"], "kpi", ["Top-K", "nucleus", "INFILL"], ["topk", "top-p", "infill"]])
+def test_sampler_names_codes_and_aliases_read_as_llama_cpp_reads_them(samplers):
+    assert InfillRequest.model_validate({**BASE, "samplers": samplers}).chain() == ["top_k", "top_p", "infill"]
+
+
+def test_samplers_not_listed_do_nothing_whatever_their_values():
+    r = InfillRequest.model_validate({**BASE, "samplers": ["top_k"], "temperature": 0.2, "top_p": 0.5, "min_p": 0.1,
+                                      "repeat_penalty": 1.3, "top_k": 5})
+    s = r.sampling()
+    assert (s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repetition_penalty"]) == (1.0, 5, 1.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(("samplers", "message"), [(["top_k", "bogus"], "unknown sampler 'bogus'"), ("kpq", "unknown sampler 'q'"),
+                                                   (["adaptive_p"], "adaptive_p")])
+def test_a_sampler_homespec_does_not_know_or_cannot_follow_is_refused_by_name(samplers, message):
+    with pytest.raises(ValidationError, match=message):
+        InfillRequest.model_validate({**BASE, "samplers": samplers})
+
+
+@pytest.mark.parametrize(("names", "params"), [
+    (["temperature", "top_k", "top_p", "min_p", "infill"], SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05)),
+    (["top_k", "temperature", "top_p"], SamplingParams(temperature=0.7, top_k=40, top_p=0.9)),  # top_k and temperature commute
+    (["top_p", "min_p", "temperature"], SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05)),  # temperature 1 does nothing
+    (["top_p", "temperature", "infill"], SamplingParams(temperature=0.0, top_p=0.9)),  # greedy: the cuts keep the argmax
+    (["min_p", "top_p"], SamplingParams(temperature=0.7, top_p=1.0, min_p=0.05)),  # top_p 1 does nothing
+    (["penalties", "typ_p", "xtc", "dry", "top_k", "infill"], SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1)),
+])
+def test_a_listed_order_is_followed_where_homespecs_chain_gives_the_same_answer(names, params):
+    check_chain(names, params)
+
+
+@pytest.mark.parametrize(("names", "params", "message"), [
+    (["top_p", "temperature"], SamplingParams(temperature=0.7, top_p=0.9), "'top_p' before 'temperature'"),
+    (["min_p", "top_p"], SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05), "'min_p' before 'top_p'"),
+    (["temperature", "penalties"], SamplingParams(temperature=0.0, repetition_penalty=1.2), "'temperature' before 'penalties'"),
+    (["infill", "top_k"], SamplingParams(temperature=1.0, top_k=40), "'infill' before 'top_k'"),
+    (["top_p", "infill"], SamplingParams(temperature=1.0, top_p=0.9), "needs a top_k"),
+    (["top_k", "infill"], SamplingParams(temperature=1.0, top_k=1000), "needs a top_k of 1-256"),
+    (["temperature", "temperature"], SamplingParams(temperature=0.5), "listed twice"),
+])
+def test_an_order_homespecs_chain_would_answer_differently_is_refused(names, params, message):
+    with pytest.raises(UserError, match=message):
+        check_chain(names, params)
 
 
 @pytest.mark.parametrize(("fields", "expected"), [
@@ -45,7 +101,7 @@ def test_up_to_64_stop_strings_are_accepted_and_65_refused():
 
 
 @pytest.mark.parametrize("field", [{"typical_p": 0.9}, {"mirostat": 2}, {"grammar": "root ::= \"x\""}, {"n_probs": 3},
-                                   {"logit_bias": [[15043, 1.0]]}, {"ignore_eos": True}, {"samplers": ["top_k", "infill"]},
+                                   {"logit_bias": [[15043, 1.0]]}, {"ignore_eos": True},
                                    {"return_tokens": True}, {"repeat_penalty": 1.2, "repeat_last_n": 128}])
 def test_options_that_would_change_the_answer_are_refused_by_name(field):
     with pytest.raises(ValidationError) as e:

@@ -83,8 +83,13 @@ def _generation_request(daemon: Daemon, body: ia.InfillRequest) -> GenerationReq
     try:
         # n_predict 0 evaluates the prompt (editors warm the cache with it): one token is
         # sampled, as generation needs one, and nothing of it is answered.
-        return build_request(daemon.cfg, mode=h.speculation or Mode.AUTO, k=h.k, max_tokens=1 if limit == 0 else limit,
-                             stop=body.stops(), **body.sampling())
+        gen = build_request(daemon.cfg, mode=h.speculation or Mode.AUTO, k=h.k, max_tokens=1 if limit == 0 else limit,
+                            stop=body.stops(), **body.sampling())
+        chain = body.chain()
+        if chain is not None:
+            ia.check_chain(chain, gen.params)
+            gen = dataclasses.replace(gen, infill="infill" in chain)
+        return gen
     except UserError as e:
         raise oa.ApiError(400, str(e)) from None
 
@@ -109,6 +114,8 @@ class _Answer:
             "seed": -1 if p.seed is None else p.seed, "stop": list(gen.stop), "n_indent": body.n_indent,
             "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream, "n_ctx": daemon.cfg.runtime.n_ctx,
             "model": self.model, "speculation": str(self.meta.get("mode", "auto")),
+            # the order followed: the one asked for, else homespec's own (without infill)
+            "samplers": body.chain() or [n for n in ia.CHAIN_PLACE if n != "infill"],
         }
 
     def add(self, ev: JobEvent) -> str:
