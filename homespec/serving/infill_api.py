@@ -7,9 +7,9 @@ mapped onto its sampling (`repeat_penalty` is repetition_penalty; temperature <=
 mean greedy and off, as in llama.cpp). Those it lacks are refused by name when set to a value that
 would change the answer, and accepted at their neutral value, because clients send their whole
 default set. `samplers` (llama.cpp's order of its sampler chain, which llama.vscode and llama.vim
-send as ["top_k", "top_p", "infill"]) is followed where homespec's fixed chain gives the same
-answer: the samplers it lists act, the others do nothing (as in llama.cpp: no temperature listed
-is temperature 1), and `infill` is llama.cpp's infill sampler (speculation/infill_sampler.py).
+send as ["top_k", "top_p", "infill"]) is followed: the samplers it lists act in its order, the
+others do nothing (as in llama.cpp: no temperature listed is temperature 1), and `infill` is
+llama.cpp's infill sampler (speculation/infill_sampler.py).
 Options that only steer llama.cpp's cache or slots (`cache_prompt`, `id_slot`,
 `t_max_prompt_ms`) are accepted and have nothing to do here; so is `model`, as in llama.cpp.
 homespec's own `homespec` object (speculation mode, k) works as on the OpenAI routes.
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from homespec.errors import UserError
 from homespec.serving.openai_api import HomespecOptions, stop_strings
 from homespec.speculation.engine import GenerationStats
-from homespec.speculation.sampling import SamplingParams
+from homespec.speculation.sampling import DEFAULT_ORDER, SamplingParams
 
 # llama.cpp's penalty window when none is given; homespec's is fixed at the same 64 (sampling.py).
 PENALTY_LAST_N = 64
@@ -65,13 +65,10 @@ _SAMPLER_NAMES = {
     **{n.replace("_", ""): n for n in SAMPLER_CODES.values()},
     "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
 }
-# Where each sampler sits in homespec's fixed chain (sampling.py). A listed order is followed when
-# the samplers that act come in this order; top_k shares temperature's place, as a top-k cut keeps
-# the same tokens before or after tempering. The samplers homespec lacks (dry, typ_p, top_n_sigma,
-# xtc) may be listed at their neutral values (NEUTRAL), where they do nothing.
-CHAIN_PLACE = {"penalties": 0, "temperature": 1, "top_k": 1, "top_p": 2, "min_p": 3, "infill": 4}
-# infill compares every candidate with every other (quadratic, as in llama.cpp), so a top-k cut
-# before it must bound them. llama.vscode and llama.vim send 40, llama.cpp's default.
+# The samplers homespec lacks (dry, typ_p, top_n_sigma, xtc) may be listed at their neutral values
+# (NEUTRAL), where they do nothing. infill compares every candidate with every other (quadratic,
+# as in llama.cpp), so a top-k cut before it must bound them: llama.vscode and llama.vim send 40,
+# llama.cpp's default.
 INFILL_MAX_TOP_K = 256
 
 
@@ -91,28 +88,32 @@ def sampler_chain(samplers: list[str] | str) -> list[str]:
     return names
 
 
-def check_chain(names: list[str], params: SamplingParams) -> None:
-    """UserError unless homespec's chain, with these values, samples as llama.cpp's chain in this
-    order would (params: the request's, resolved against the config's defaults)."""
+def sampling_order(names: list[str], params: SamplingParams) -> tuple[str, ...]:
+    """SamplingParams.order for llama.cpp's `samplers` (canonical names, in order), checked with
+    the request's values (params, resolved against the config's defaults); UserError where
+    homespec cannot sample as llama.cpp would."""
     acting = {
         "penalties": params.has_penalties,
         "temperature": params.temperature != 1.0,
-        # Greedy, every cut keeps the likeliest token, and infill then keeps it too.
-        "top_k": params.top_k > 0 and not params.greedy,
-        "top_p": params.top_p < 1.0 and not params.greedy,
-        "min_p": params.min_p > 0.0 and not params.greedy,
-        "infill": not params.greedy,
+        "top_k": params.top_k > 0,
+        "top_p": params.top_p < 1.0,
+        "min_p": params.min_p > 0.0,
+        "infill": True,
     }
-    order = [n for n in names if acting.get(n)]
-    for a, b in zip(order, order[1:], strict=False):
-        if a == b:
-            raise UserError(f"samplers: {a!r} is listed twice; homespec applies each sampler once")
-        if CHAIN_PLACE[b] < CHAIN_PLACE[a]:
-            raise UserError(f"samplers: {a!r} before {b!r} is an order homespec cannot follow with these values "
-                            f"(its chain: {', '.join(CHAIN_PLACE)})")
-    if "infill" in order and not (0 < params.top_k <= INFILL_MAX_TOP_K and "top_k" in names):
-        raise UserError(f"samplers: 'infill' needs a top_k of 1-{INFILL_MAX_TOP_K} listed before it "
-                        "(it compares every candidate with every other)")
+    listed = [n for n in names if acting.get(n)]
+    twice = next((n for i, n in enumerate(listed) if n in listed[:i]), None)
+    if twice is not None:
+        raise UserError(f"samplers: {twice!r} is listed twice; homespec applies each sampler once")
+    if "penalties" in listed[1:]:  # homespec's penalties change the logits before any other step
+        raise UserError(f"samplers: 'penalties' after {listed[0]!r} is an order homespec cannot follow; list it first")
+    if "infill" in names and not params.greedy:
+        if not (0 < params.top_k <= INFILL_MAX_TOP_K and "top_k" in names[: names.index("infill")]):
+            raise UserError(f"samplers: 'infill' needs a top_k of 1-{INFILL_MAX_TOP_K} listed before it "
+                            "(it compares every candidate with every other)")
+    if params.greedy and "temperature" in names and "infill" in names[: names.index("temperature")]:
+        # llama.cpp would take the argmax of what infill kept; homespec's greedy is the argmax of all
+        raise UserError("samplers: 'infill' before a temperature of 0 is an order homespec cannot follow")
+    return tuple(dict.fromkeys(n for n in names if n in DEFAULT_ORDER))
 
 
 class ExtraChunk(BaseModel):

@@ -1,6 +1,6 @@
 """llama.cpp's `infill` sampler: the last cut of the chain that llama.vscode and llama.vim ask
-`/infill` for (`"samplers": ["top_k", "top_p", "infill"]`), as a pure function over a
-distribution, so that it sits in `sampling.probabilities` and speculation stays exact with it.
+`/infill` for (`"samplers": ["top_k", "top_p", "infill"]`), as a pure function over the
+candidates' distribution, so that it sits in `sampling.probabilities` and speculation stays exact.
 
 What llama.cpp does (src/llama-sampler.cpp, `llama_sampler_infill_apply`), on the candidates the
 cuts before it left (sorted, likeliest first, p their softmax):
@@ -13,8 +13,8 @@ cuts before it left (sorted, likeliest first, p their softmax):
 4. Renormalise, and keep again the tokens with at least 1 / (text tokens kept + 1).
 
 llama.cpp's `dist` then draws by a softmax of the kept tokens' own logits: the merged masses
-only decide which tokens stay. So the result here is p restricted to the kept tokens and
-renormalised (one-hot on the end-of-text token in case 3).
+only decide which tokens stay. So the sampler here says which candidates stay, and
+`sampling.probabilities` draws by their logits (by the end-of-text token alone in case 3).
 """
 
 from __future__ import annotations
@@ -38,27 +38,26 @@ class InfillVocab:
     eot: int  # the answer when no text token is left (llama.cpp: EOT, else EOS)
 
 
-def infill_cut(p: np.ndarray, vocab: InfillVocab) -> np.ndarray:
-    """p [vocab] (after the cuts before infill; sums to 1) -> the distribution llama.cpp draws
-    from, [vocab] float64. Quadratic in the candidates, as llama.cpp's: the request check
+def infill_keep(ids: np.ndarray, p: np.ndarray, vocab: InfillVocab) -> np.ndarray | None:
+    """Which candidates llama.cpp's infill sampler keeps: positions into ids [n] (token ids)
+    whose distribution is p [n] (the cuts before infill left them; sums to 1). The draw is then
+    by the kept tokens' own odds. None: no text token is left, and the answer is vocab.eot
+    alone. Quadratic in the candidates, as llama.cpp's: the request check
     (serving/infill_api.py) asks for a top_k before it."""
-    ids = np.flatnonzero(p)  # [n] candidates
-    ids = ids[np.argsort(-p[ids], kind="stable")]  # likeliest first, as llama.cpp sorts them
-    mass = p[ids].astype(np.float64)  # [n] merged masses
+    order = np.argsort(-p, kind="stable")  # [n] likeliest first, as llama.cpp sorts them
+    ids, mass = ids[order], p[order].astype(np.float64)  # [n], [n] merged masses
     mass /= mass.sum()
     eog = np.fromiter((vocab.is_eog(int(t)) for t in ids), dtype=bool, count=ids.size)  # [n]
     if EOG_WEIGHT * mass[eog].sum() * ids.size > mass[~eog].sum():
-        return _restricted(p, ids[eog])
+        return order[eog]
     alive = _merge_common_prefixes(ids, mass, vocab.piece)  # [n] bool; mass updated in place
     keep = alive & ((mass >= MERGED_CUT) | eog)
     n_text = int((keep & ~eog).sum())
     if n_text == 0:
-        out = np.zeros_like(p, dtype=np.float64)
-        out[vocab.eot] = 1.0
-        return out
+        return None
     mass = np.where(keep, mass, 0.0) / mass[keep].sum()
     keep &= (mass >= 1.0 / (n_text + 1)) | eog
-    return _restricted(p, ids[keep])
+    return order[keep]
 
 
 def _merge_common_prefixes(ids: np.ndarray, mass: np.ndarray, piece: Callable[[int], bytes]) -> np.ndarray:
@@ -80,10 +79,3 @@ def _merge_common_prefixes(ids: np.ndarray, mass: np.ndarray, piece: Callable[[i
             mass[src] = 0.0
             alive[src] = False
     return alive
-
-
-def _restricted(p: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """p [vocab] on the ids in `keep` only, renormalised: dist's softmax of their own logits."""
-    out = np.zeros_like(p, dtype=np.float64)
-    out[keep] = p[keep]
-    return out / out.sum()

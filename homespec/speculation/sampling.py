@@ -9,9 +9,11 @@ distribution lives here, and the engine, the draft proposer and the verifier all
 
 Order: the logit bias and the penalties first (they change logits; the bias first, as in
 llama.cpp's sampler chain), then temperature, then the truncations on the tempered distribution
-(the order of Hugging Face's `generate`; llama.cpp truncates before tempering, which differs
-only when top_p/min_p and temperature are both set). llama.cpp's infill sampler, which editor
-plugins ask `/infill` for, ends the chain when a request sets it (infill_sampler.py).
+(the order of Hugging Face's `generate`). llama.cpp truncates before tempering, which differs
+only when top_p/min_p and temperature are both set; a request may ask for that order
+(`SamplingParams.order`, from llama.cpp's `samplers`). llama.cpp's infill sampler, which editor
+plugins ask `/infill` for, ends the chain when a request sets it (infill_sampler.py). Each step
+narrows the candidates; the draw is by a softmax of what is left of their logits.
 
 The logit bias is OpenAI's: a number in [-100, 100] added to a token's logit; -100 bans the
 token in practice, +100 all but forces it. Being part of `penalize`, it reaches the target's
@@ -43,7 +45,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from homespec.speculation.infill_sampler import InfillVocab, infill_cut
+from homespec.speculation.infill_sampler import InfillVocab, infill_keep
+
+# Hugging Face's order (temperature, then the cuts on the tempered distribution); the infill
+# cut, when a request binds a vocabulary, last.
+DEFAULT_ORDER = ("temperature", "top_k", "top_p", "min_p", "infill")
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,12 @@ class SamplingParams:
     seed: int | None = None
     # OpenAI's logit_bias: (token id, bias) pairs, ids ascending; added to those logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # llama.cpp's infill sampler after the cuts, over this vocabulary; None = not asked for.
-    # Bound to the loaded target (host.Session.steps), as a request only names it.
+    # llama.cpp's infill sampler, over this vocabulary; None = not asked for. Bound to the
+    # loaded target (host.Session.steps), as a request only names it.
     infill: InfillVocab | None = None
+    # The order temperature and the cuts apply in (probabilities); one left out does nothing.
+    # A request may name llama.cpp's (/infill's `samplers`), which tempers after the cuts.
+    order: tuple[str, ...] = DEFAULT_ORDER
 
     def __post_init__(self) -> None:
         checks = [
@@ -74,6 +83,9 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0),
             ("penalty_last_n", self.penalty_last_n >= 0),
             ("logit_bias", all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias)),
+            ("order", set(self.order) <= set(DEFAULT_ORDER) and len(set(self.order)) == len(self.order)),
+            # greedy means the argmax only where temperature is a step (llama.cpp: temp 0 keeps it)
+            ("temperature", "temperature" in self.order or self.temperature == 1.0),
         ]
         for name, ok in checks:
             if not ok:
@@ -138,49 +150,91 @@ def window(context: Sequence[int], params: SamplingParams) -> Sequence[int]:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Penalised logits [vocab] -> the distribution to sample from, [vocab] float64, sums to 1."""
+    """Penalised logits [vocab] -> the distribution to sample from, [vocab] float64, sums to 1.
+    The steps run in params.order over the candidates still in the running; the draw is by a
+    softmax of their (tempered) logits."""
+    n = logits.shape[0]
     if params.greedy:
-        p = np.zeros(logits.shape[0], dtype=np.float64)
+        p = np.zeros(n, dtype=np.float64)
         p[int(np.argmax(logits))] = 1.0
         return p
-    z = logits.astype(np.float64) / params.temperature  # [vocab]
-    z -= z.max()
-    p = np.exp(z)
-    p /= p.sum()
-    if params.top_k and params.top_k < p.shape[0]:
-        cut = np.partition(p, -params.top_k)[-params.top_k]
-        p = np.where(p >= cut, p, 0.0)
-        p /= p.sum()
-    if params.top_p < 1.0:
-        p = _top_p(p, params.top_p)
-    if params.min_p > 0.0:
-        p = np.where(p >= params.min_p * p.max(), p, 0.0)
-        p /= p.sum()
-    if params.infill is not None:
-        p = infill_cut(p, params.infill)
+    ids: np.ndarray | None = None  # [m] the candidates' token ids; None: every token, in order
+    z = logits.astype(np.float64)  # [m] their logits (a copy: the steps may work in place)
+    for step in params.order:
+        ids, z = _STEPS[step](ids, z, params)
+    if ids is None:
+        return _softmax(z)
+    p = np.zeros(n, dtype=np.float64)
+    p[ids] = _softmax(z)
     return p
 
 
-def _top_p(p: np.ndarray, top_p: float) -> np.ndarray:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p. p: [vocab]."""
+def _softmax(z: np.ndarray) -> np.ndarray:
+    w = z - z.max()  # [m]
+    np.exp(w, out=w)
+    w /= w.sum()
+    return w
+
+
+Candidates = tuple[np.ndarray | None, np.ndarray]  # ([m] token ids or None for all, [m] their logits)
+
+
+def _kept(ids: np.ndarray | None, z: np.ndarray, keep: np.ndarray) -> Candidates:
+    """The candidates at `keep` (positions into z, or a mask over it)."""
+    return (np.flatnonzero(keep) if keep.dtype == bool else keep) if ids is None else ids[keep], z[keep]
+
+
+def _temperature(ids: np.ndarray | None, z: np.ndarray, params: SamplingParams) -> Candidates:
+    z /= params.temperature
+    return ids, z
+
+
+def _top_k(ids: np.ndarray | None, z: np.ndarray, params: SamplingParams) -> Candidates:
+    k = params.top_k
+    if k == 0 or k >= z.shape[0]:
+        return ids, z
+    return _kept(ids, z, z >= np.partition(z, -k)[-k])  # ties at the cut stay
+
+
+def _top_p(ids: np.ndarray | None, z: np.ndarray, params: SamplingParams) -> Candidates:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    if params.top_p >= 1.0:
+        return ids, z
+    p = _softmax(z)  # [m]
     # A full sort of 152k floats costs ~10 ms; the nucleus is almost always within the top few
     # hundred, so sort a growing candidate set and fall back to the full sort only if needed.
     n = p.shape[0]
     m = 256
     while True:
         m = min(m, n)
-        idx = np.argpartition(p, n - m)[n - m :] if m < n else np.arange(n)  # [m] top-m ids
+        idx = np.argpartition(p, n - m)[n - m :] if m < n else np.arange(n)  # [m] top-m positions
         idx = idx[np.argsort(-p[idx], kind="stable")]
         csum = np.cumsum(p[idx])
-        if csum[-1] >= top_p - 1e-9 or m == n:
+        if csum[-1] >= params.top_p - 1e-9 or m == n:
             # First index where the mass reaches top_p; the epsilon absorbs cumsum rounding
-            # (0.5 + 0.3 < 0.8 in floating point).
-            last = int(np.searchsorted(csum, top_p - 1e-9))
-            keep = idx[: min(last + 1, m)]
-            out = np.zeros_like(p)
-            out[keep] = p[keep]
-            return out / out.sum()
+            # (0.5 + 0.3 < 0.8 in floating point). top_p 0 keeps the likeliest token.
+            return _kept(ids, z, idx[: min(int(np.searchsorted(csum, params.top_p - 1e-9)) + 1, m)])
         m *= 8
+
+
+def _min_p(ids: np.ndarray | None, z: np.ndarray, params: SamplingParams) -> Candidates:
+    if params.min_p <= 0.0:
+        return ids, z
+    p = _softmax(z)  # [m]
+    return _kept(ids, z, p >= params.min_p * p.max())
+
+
+def _infill(ids: np.ndarray | None, z: np.ndarray, params: SamplingParams) -> Candidates:
+    if params.infill is None:
+        return ids, z
+    cand = np.arange(z.shape[0]) if ids is None else ids  # [m]
+    keep = infill_keep(cand, _softmax(z), params.infill)
+    if keep is None:  # no text token left: the end of text, certain
+        return np.array([params.infill.eot]), np.zeros(1)
+    return cand[keep], z[keep]
+
+
+_STEPS = {"temperature": _temperature, "top_k": _top_k, "top_p": _top_p, "min_p": _min_p, "infill": _infill}
 
 
 def choose(

@@ -167,9 +167,13 @@ def test_infill_reports_the_sampler_order_it_followed_and_refuses_one_it_cannot(
     assert r.status_code == 200, r.text
     settings = r.json()["generation_settings"]
     assert settings["samplers"] == ["top_k", "top_p", "infill"] and settings["temperature"] == 1.0
-    r = post_infill(served, {**body, "samplers": ["top_p", "temperature"], "temperature": 0.5})
+    # llama.cpp's default order, tempered after the cuts, as its web UI sends it ("edkypmxt")
+    r = post_infill(served, {**body, "samplers": "edkypmxt", "temperature": 0.5, "top_p": 0.9, "min_p": 0.05})
+    assert r.status_code == 200, r.text
+    assert r.json()["generation_settings"]["samplers"] == ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+    r = post_infill(served, {**body, "samplers": ["temperature", "penalties"], "temperature": 0.5, "repeat_penalty": 1.2})
     assert r.status_code == 400, r.text
-    assert "'top_p' before 'temperature'" in r.json()["error"]["message"]
+    assert "'penalties' after 'temperature'" in r.json()["error"]["message"]
     r = post_infill(served, {**body, "samplers": ["top_p", "infill"]})
     assert r.status_code == 400 and "needs a top_k" in r.json()["error"]["message"], r.text
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from homespec.errors import UserError
-from homespec.serving.infill_api import Cutoff, InfillRequest, check_chain, select_fields, stop_type, timings
+from homespec.serving.infill_api import Cutoff, InfillRequest, sampling_order, select_fields, stop_type, timings
 from homespec.speculation.engine import GenerationStats
 from homespec.speculation.sampling import SamplingParams
 
@@ -25,7 +25,7 @@ def test_an_editor_request_maps_onto_homespec_sampling():
     assert r.chain() == ["top_k", "top_p", "infill"]
     # No temperature listed: llama.cpp draws at temperature 1, whatever the request or server default.
     assert r.sampling()["top_k"] == 40 and r.sampling()["top_p"] == 0.99 and r.sampling()["temperature"] == 1.0
-    check_chain(r.chain(), SamplingParams(temperature=1.0, top_k=40, top_p=0.99))  # an order homespec follows
+    assert sampling_order(r.chain(), SamplingParams(temperature=1.0, top_k=40, top_p=0.99)) == ("top_k", "top_p", "infill")
 
 
 def test_without_samplers_unset_options_keep_the_servers_defaults():
@@ -52,30 +52,31 @@ def test_a_sampler_homespec_does_not_know_or_cannot_follow_is_refused_by_name(sa
         InfillRequest.model_validate({**BASE, "samplers": samplers})
 
 
-@pytest.mark.parametrize(("names", "params"), [
-    (["temperature", "top_k", "top_p", "min_p", "infill"], SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05)),
-    (["top_k", "temperature", "top_p"], SamplingParams(temperature=0.7, top_k=40, top_p=0.9)),  # top_k and temperature commute
-    (["top_p", "min_p", "temperature"], SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05)),  # temperature 1 does nothing
-    (["top_p", "temperature", "infill"], SamplingParams(temperature=0.0, top_p=0.9)),  # greedy: the cuts keep the argmax
-    (["min_p", "top_p"], SamplingParams(temperature=0.7, top_p=1.0, min_p=0.05)),  # top_p 1 does nothing
-    (["penalties", "typ_p", "xtc", "dry", "top_k", "infill"], SamplingParams(temperature=1.0, top_k=40, repetition_penalty=1.1)),
+@pytest.mark.parametrize(("names", "params", "order"), [
+    # llama.cpp's default order: the cuts on the untempered distribution, tempered last
+    (["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
+     SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1),
+     ("top_k", "top_p", "min_p", "temperature")),
+    (["top_k", "top_p", "infill"], SamplingParams(temperature=1.0, top_k=40, top_p=0.99), ("top_k", "top_p", "infill")),
+    (["top_p", "temperature", "infill"], SamplingParams(temperature=0.0, top_p=0.9), ("top_p", "temperature", "infill")),
+    (["top_k", "top_k", "temperature"], SamplingParams(temperature=0.7, top_k=0), ("top_k", "temperature")),  # twice, doing nothing
+    (["temperature", "penalties"], SamplingParams(temperature=0.7), ("temperature",)),  # penalties off: no order to keep
 ])
-def test_a_listed_order_is_followed_where_homespecs_chain_gives_the_same_answer(names, params):
-    check_chain(names, params)
+def test_a_listed_order_becomes_the_order_homespec_samples_in(names, params, order):
+    assert sampling_order(names, params) == order
 
 
 @pytest.mark.parametrize(("names", "params", "message"), [
-    (["top_p", "temperature"], SamplingParams(temperature=0.7, top_p=0.9), "'top_p' before 'temperature'"),
-    (["min_p", "top_p"], SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05), "'min_p' before 'top_p'"),
-    (["temperature", "penalties"], SamplingParams(temperature=0.0, repetition_penalty=1.2), "'temperature' before 'penalties'"),
-    (["infill", "top_k"], SamplingParams(temperature=1.0, top_k=40), "'infill' before 'top_k'"),
+    (["temperature", "penalties"], SamplingParams(temperature=0.0, repetition_penalty=1.2), "'penalties' after 'temperature'"),
     (["top_p", "infill"], SamplingParams(temperature=1.0, top_p=0.9), "needs a top_k"),
+    (["infill", "top_k"], SamplingParams(temperature=1.0, top_k=40), "needs a top_k"),
     (["top_k", "infill"], SamplingParams(temperature=1.0, top_k=1000), "needs a top_k of 1-256"),
+    (["top_k", "infill", "temperature"], SamplingParams(temperature=0.0, top_k=40), "'infill' before a temperature of 0"),
     (["temperature", "temperature"], SamplingParams(temperature=0.5), "listed twice"),
 ])
-def test_an_order_homespecs_chain_would_answer_differently_is_refused(names, params, message):
+def test_an_order_homespec_cannot_sample_in_is_refused_by_name(names, params, message):
     with pytest.raises(UserError, match=message):
-        check_chain(names, params)
+        sampling_order(names, params)
 
 
 @pytest.mark.parametrize(("fields", "expected"), [

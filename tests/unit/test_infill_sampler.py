@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from homespec.speculation.infill_sampler import InfillVocab, infill_cut
+from homespec.speculation.infill_sampler import InfillVocab
 from homespec.speculation.sampling import SamplingParams, probabilities
 
 EOT, EOS = 8, 9
@@ -20,6 +20,14 @@ def dist(**mass: float) -> np.ndarray:
     for name, v in mass.items():
         p[int(name[1:])] = v
     return p
+
+
+def infill_cut(p: np.ndarray, vocab: InfillVocab) -> np.ndarray:
+    """The distribution llama.cpp draws from after top-k leaves p's support and infill cuts it,
+    through homespec's one transform (sampling.probabilities)."""
+    with np.errstate(divide="ignore"):
+        logits = np.log(p)  # [10]; -inf outside the support
+    return probabilities(logits, SamplingParams(temperature=1.0, top_k=int(np.count_nonzero(p)), infill=vocab))
 
 
 def test_enough_end_of_text_mass_keeps_only_the_end_tokens():

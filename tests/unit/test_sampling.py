@@ -72,6 +72,28 @@ def test_top_p_on_large_vocab_matches_full_sort():
     assert set(np.flatnonzero(p)) == set(order[:n_keep])
 
 
+def test_llama_cpps_order_cuts_before_tempering_and_the_default_after():
+    z = np.log(np.array([0.6, 0.3, 0.1]))
+    # Tempered first (Hugging Face): 0.473, 0.334, 0.193 -> the nucleus of 0.85 needs all three.
+    hf = probabilities(z, SamplingParams(temperature=2.0, top_p=0.85))
+    assert hf == pytest.approx(np.sqrt([0.6, 0.3, 0.1]) / np.sqrt([0.6, 0.3, 0.1]).sum())
+    # Cut first (llama.cpp's default order): 0.6 + 0.3 reach 0.85; then the two are tempered.
+    ll = probabilities(z, SamplingParams(temperature=2.0, top_p=0.85, order=("top_p", "temperature")))
+    assert ll == pytest.approx(np.array([np.sqrt(0.6), np.sqrt(0.3), 0.0]) / (np.sqrt(0.6) + np.sqrt(0.3)))
+
+
+def test_a_step_left_out_of_the_order_does_nothing():
+    z = np.log(np.array([0.6, 0.3, 0.1]))
+    assert probabilities(z, SamplingParams(temperature=1.0, top_k=1, order=("top_p",))) == pytest.approx([0.6, 0.3, 0.1])
+
+
+@pytest.mark.parametrize(("fields", "name"), [({"order": ("top_k", "top_k")}, "order"), ({"order": ("mirostat",)}, "order"),
+                                              ({"temperature": 0.5, "order": ("top_k",)}, "temperature")])
+def test_an_order_with_a_step_twice_an_unknown_step_or_an_unused_temperature_is_refused(fields, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**fields)
+
+
 def test_min_p_drops_tokens_below_fraction_of_top():
     p0 = np.array([0.6, 0.3, 0.06, 0.04])
     p = probabilities(np.log(p0), SamplingParams(temperature=1.0, min_p=0.1))

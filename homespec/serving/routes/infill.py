@@ -87,8 +87,8 @@ def _generation_request(daemon: Daemon, body: ia.InfillRequest) -> GenerationReq
                             stop=body.stops(), **body.sampling())
         chain = body.chain()
         if chain is not None:
-            ia.check_chain(chain, gen.params)
-            gen = dataclasses.replace(gen, infill="infill" in chain)
+            order = ia.sampling_order(chain, gen.params)
+            gen = dataclasses.replace(gen, params=dataclasses.replace(gen.params, order=order), infill="infill" in order)
         return gen
     except UserError as e:
         raise oa.ApiError(400, str(e)) from None
@@ -114,8 +114,8 @@ class _Answer:
             "seed": -1 if p.seed is None else p.seed, "stop": list(gen.stop), "n_indent": body.n_indent,
             "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream, "n_ctx": daemon.cfg.runtime.n_ctx,
             "model": self.model, "speculation": str(self.meta.get("mode", "auto")),
-            # the order followed: the one asked for, else homespec's own (without infill)
-            "samplers": body.chain() or [n for n in ia.CHAIN_PLACE if n != "infill"],
+            # the order followed: the one asked for, else homespec's own
+            "samplers": body.chain() or ["penalties", *(n for n in p.order if n != "infill")],
         }
 
     def add(self, ev: JobEvent) -> str:
