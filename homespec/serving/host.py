@@ -22,6 +22,7 @@ from homespec.errors import UserError
 from homespec.llama import prefix_store
 from homespec.llama.prefix_cache import PrefixCache
 from homespec.models.loader import ModelSet, load_model_set
+from homespec.serving.llama_options import sampling_order
 from homespec.speculation.batch import Batch
 from homespec.speculation.constraints import Grammar
 from homespec.speculation.controller import Controller, make_policy
@@ -70,12 +71,14 @@ def build_request(
     grammar: str | None = None,
     logit_bias: Mapping[int, float] | None = None,
     logprobs: int | None = None,
+    samplers: list[str] | None = None,
     **sampling: Any,
 ) -> GenerationRequest:
     """The one place a request is assembled: config.yaml's defaults, overridden by what the
     caller (CLI flags, an API body) set; None means "not set". Overrides are checked against
     the config's own bounds, so a bad one raises UserError naming the field. logit_bias and
-    logprobs have no config default: they belong to one request."""
+    logprobs have no config default: they belong to one request; nor has llama.cpp's `samplers`
+    (llama_options.sampler_chain's names), the order of the sampling steps."""
     s = cfg.sampling.model_copy()
     spec = cfg.speculation.model_copy()
     override(s, {**sampling, "max_tokens": max_tokens})
@@ -85,7 +88,11 @@ def build_request(
         params = with_logit_bias(params, logit_bias)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar, logprobs)
+    infill = False
+    if samplers is not None:
+        params = replace(params, order=sampling_order(samplers, params))
+        infill = "infill" in params.order  # bound to the target's vocabulary in Session.steps
+    return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar, logprobs, infill)
 
 
 @dataclass

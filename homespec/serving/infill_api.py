@@ -6,11 +6,9 @@ The request is llama.cpp's: `input_prefix`, `input_suffix`, `input_extra` ([{"fi
 mapped onto its sampling (`repeat_penalty` is repetition_penalty; temperature <= 0 and top_k <= 0
 mean greedy and off, as in llama.cpp). Those it lacks are refused by name when set to a value that
 would change the answer, and accepted at their neutral value, because clients send their whole
-default set. `samplers` (llama.cpp's order of its sampler chain, which llama.vscode and llama.vim
-send as ["top_k", "top_p", "infill"]) is followed: the samplers it lists act in its order, the
-others do nothing (as in llama.cpp: no temperature listed is temperature 1), and `infill` is
-llama.cpp's infill sampler (speculation/infill_sampler.py).
-Options that only steer llama.cpp's cache or slots (`cache_prompt`, `id_slot`,
+default set; the sampling ones (and `samplers`, the order of the steps, which llama.vscode and
+llama.vim send as ["top_k", "top_p", "infill"]) are llama_options.py's, shared with the OpenAI
+routes. Options that only steer llama.cpp's cache or slots (`cache_prompt`, `id_slot`,
 `t_max_prompt_ms`) are accepted and have nothing to do here; so is `model`, as in llama.cpp.
 homespec's own `homespec` object (speculation mode, k) works as on the OpenAI routes.
 
@@ -25,26 +23,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from homespec.errors import UserError
+from homespec.serving.llama_options import LlamaCppOptions, llama_sampling
 from homespec.serving.openai_api import HomespecOptions, stop_strings
 from homespec.speculation.engine import GenerationStats
-from homespec.speculation.sampling import DEFAULT_ORDER, SamplingParams
 
-# llama.cpp's penalty window when none is given; homespec's is fixed at the same 64 (sampling.py).
-PENALTY_LAST_N = 64
-
-# llama.cpp /completion options homespec does not implement, with the values at which they do
-# nothing. Any other value would change the answer: refused, never dropped.
+# llama.cpp /completion options homespec does not implement, beyond the sampling ones
+# (llama_options.NEUTRAL), with the values at which they do nothing. Any other value would change
+# the answer: refused, never dropped.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "dynatemp_range": (0,),
-    "typical_p": (1,),
-    "dry_multiplier": (0,),
-    "xtc_probability": (0,),
-    "mirostat": (0,),
-    "top_n_sigma": (-1,),
-    "min_keep": (0,),
-    "n_probs": (0,),  # token probabilities in the answer
-    "ignore_eos": (False,),
     "grammar": (None, ""),
     "json_schema": (None,),
     "logit_bias": (None, [], {}),
@@ -55,74 +41,13 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-# llama.cpp's sampler names (common/sampling.cpp): these, their kebab-case and run-together
-# spellings ("top-k", "topk"), three aliases, and the one-letter codes of a string ("kpi").
-SAMPLER_CODES = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
-_SAMPLER_NAMES = {
-    **{n: n for n in SAMPLER_CODES.values()},
-    **{n.replace("_", "-"): n for n in SAMPLER_CODES.values()},
-    **{n.replace("_", ""): n for n in SAMPLER_CODES.values()},
-    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
-}
-# The samplers homespec lacks (dry, typ_p, top_n_sigma, xtc) may be listed at their neutral values
-# (NEUTRAL), where they do nothing. infill compares every candidate with every other (quadratic,
-# as in llama.cpp), so a top-k cut before it must bound them: llama.vscode and llama.vim send 40,
-# llama.cpp's default.
-INFILL_MAX_TOP_K = 256
-
-
-def sampler_chain(samplers: list[str] | str) -> list[str]:
-    """llama.cpp's `samplers` (names, or a string of one-letter codes) as canonical names in
-    their order; ValueError naming one homespec does not know or cannot follow."""
-    if isinstance(samplers, str):
-        bad = [c for c in samplers if c not in SAMPLER_CODES]
-        names = [SAMPLER_CODES.get(c, c) for c in samplers]
-    else:
-        bad = [n for n in samplers if n.lower() not in _SAMPLER_NAMES]
-        names = [_SAMPLER_NAMES.get(n.lower(), n) for n in samplers]
-    if bad:
-        raise ValueError(f"samplers: unknown sampler {bad[0]!r} (llama.cpp's are {', '.join(SAMPLER_CODES.values())})")
-    if "adaptive_p" in names:  # it replaces the final draw: homespec always draws from the chain's distribution
-        raise ValueError("not supported (it would change the answer): samplers with 'adaptive_p'")
-    return names
-
-
-def sampling_order(names: list[str], params: SamplingParams) -> tuple[str, ...]:
-    """SamplingParams.order for llama.cpp's `samplers` (canonical names, in order), checked with
-    the request's values (params, resolved against the config's defaults); UserError where
-    homespec cannot sample as llama.cpp would."""
-    acting = {
-        "penalties": params.has_penalties,
-        "temperature": params.temperature != 1.0,
-        "top_k": params.top_k > 0,
-        "top_p": params.top_p < 1.0,
-        "min_p": params.min_p > 0.0,
-        "infill": True,
-    }
-    listed = [n for n in names if acting.get(n)]
-    twice = next((n for i, n in enumerate(listed) if n in listed[:i]), None)
-    if twice is not None:
-        raise UserError(f"samplers: {twice!r} is listed twice; homespec applies each sampler once")
-    if "penalties" in listed[1:]:  # homespec's penalties change the logits before any other step
-        raise UserError(f"samplers: 'penalties' after {listed[0]!r} is an order homespec cannot follow; list it first")
-    if "infill" in names and not params.greedy:
-        if not (0 < params.top_k <= INFILL_MAX_TOP_K and "top_k" in names[: names.index("infill")]):
-            raise UserError(f"samplers: 'infill' needs a top_k of 1-{INFILL_MAX_TOP_K} listed before it "
-                            "(it compares every candidate with every other)")
-    if params.greedy and "temperature" in names and "infill" in names[: names.index("temperature")]:
-        # llama.cpp would take the argmax of what infill kept; homespec's greedy is the argmax of all
-        raise UserError("samplers: 'infill' before a temperature of 0 is an order homespec cannot follow")
-    return tuple(dict.fromkeys(n for n in names if n in DEFAULT_ORDER))
-
-
 class ExtraChunk(BaseModel):
     model_config = ConfigDict(extra="ignore")
     text: str
     filename: str = "tmp"  # llama.cpp's default
 
 
-class InfillRequest(BaseModel):
+class InfillRequest(LlamaCppOptions):
     # "allow": the llama.cpp options homespec lacks are looked at (NEUTRAL), not dropped unseen.
     model_config = ConfigDict(extra="allow")
     input_prefix: str
@@ -137,12 +62,9 @@ class InfillRequest(BaseModel):
     top_k: int | None = None  # <= 0: off
     top_p: float | None = Field(None, gt=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, gt=0, le=10)
-    repeat_last_n: int | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)  # -1: a fresh seed
-    samplers: list[str] | str | None = None
     n_indent: int = Field(0, ge=0)  # lines after the first need at least this indentation
     t_max_predict_ms: int = Field(0, ge=0)  # after a newline, stop once this long has passed
     response_fields: list[str] | None = None  # keep only these ("timings/prompt_n": nested)
@@ -157,10 +79,6 @@ class InfillRequest(BaseModel):
     def _unsupported(self) -> InfillRequest:
         extra = self.model_extra or {}
         bad = [f"{k}={extra[k]!r}" for k in NEUTRAL if k in extra and not _neutral(extra[k], NEUTRAL[k])]
-        self.chain()  # an unknown sampler, named
-        penalised = (self.repeat_penalty not in (None, 1) or bool(self.presence_penalty) or bool(self.frequency_penalty))
-        if penalised and self.repeat_last_n not in (None, PENALTY_LAST_N):
-            bad.append(f"repeat_last_n={self.repeat_last_n!r} (the penalty window is {PENALTY_LAST_N})")
         if bad:
             raise ValueError(f"not supported (it would change the answer): {', '.join(bad)}")
         return self
@@ -170,46 +88,15 @@ class InfillRequest(BaseModel):
         n = self.n_predict if self.n_predict is not None else self.max_tokens
         return None if n is None or n < 0 else n
 
-    def chain(self) -> list[str] | None:
-        """The sampler order asked for; None: homespec's own (none given, or nothing is sampled:
-        n_predict 0, which editors send with `samplers: []` to warm the cache)."""
-        if self.samplers is None or self.limit() == 0:
-            return None
-        return sampler_chain(self.samplers)
+    def samples(self) -> bool:
+        return self.limit() != 0
 
     def sampling(self) -> dict[str, Any]:
-        """build_request's overrides. With `samplers`, one not listed does nothing, as in llama.cpp
-        (temperature 1, no cut, no penalty), whatever value the request gave it."""
-        s = llama_sampling(self)
-        chain = self.chain()
-        if chain is not None:
-            unlisted = {"temperature": {"temperature": 1.0}, "top_k": {"top_k": 0}, "top_p": {"top_p": 1.0},
-                        "min_p": {"min_p": 0.0},
-                        "penalties": {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}}
-            for name, neutral in unlisted.items():
-                if name not in chain:
-                    s.update(neutral)
-        return s
+        """build_request's overrides (llama_options: under `samplers`, a step not listed does nothing)."""
+        return self.with_llama_options(llama_sampling(self))
 
     def stops(self) -> list[str]:
         return list(self.stop or [])  # type: ignore[arg-type]
-
-
-def llama_sampling(o: Any) -> dict[str, Any]:
-    """llama.cpp's sampling options, which Ollama shares (temperature, top_k, top_p, min_p,
-    repeat_penalty, presence_penalty, frequency_penalty, seed), as build_request's overrides;
-    None = the server's default. temperature <= 0 is greedy, top_k <= 0 off, a negative seed a
-    fresh one."""
-    return {
-        "temperature": None if o.temperature is None else max(0.0, o.temperature),
-        "top_k": None if o.top_k is None else max(0, o.top_k),
-        "top_p": o.top_p,
-        "min_p": o.min_p,
-        "repetition_penalty": o.repeat_penalty,
-        "presence_penalty": o.presence_penalty,
-        "frequency_penalty": o.frequency_penalty,
-        "seed": None if o.seed is None or o.seed < 0 else o.seed,
-    }
 
 
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

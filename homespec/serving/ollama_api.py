@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from homespec.config import Mode
-from homespec.serving.infill_api import PENALTY_LAST_N, llama_sampling
+from homespec.serving.llama_options import PENALTY_LAST_N, llama_sampling
 from homespec.serving.openai_api import MAX_STOP, FunctionDef
 from homespec.serving.tool_calls import Call
 from homespec.speculation.engine import GenerationStats

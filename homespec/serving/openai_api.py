@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from homespec.config import Mode
+from homespec.serving.llama_options import LlamaCppOptions
 from homespec.serving.openai_fields import refusal
 from homespec.serving.tool_calls import template_tool_calls
 from homespec.speculation.engine import GenerationStats
@@ -158,12 +159,15 @@ def stop_strings(v: str | list[str] | None) -> list[str] | None:
     return stops
 
 
-class _Common(BaseModel):
+class _Common(LlamaCppOptions):
     # OpenAI refuses fields it does not define, and so do we: accepting one and answering without
-    # it would hand back something other than what was asked for.
+    # it would hand back something other than what was asked for. The exceptions are homespec's
+    # own (top_k, min_p, repetition_penalty, `homespec`) and llama.cpp server's sampling options
+    # (LlamaCppOptions: what clients written for llama-server send; refused where they would
+    # change the answer).
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=-1)  # -1 (llama.cpp's "no limit"): the server's default
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
     top_k: int | None = Field(None, ge=0)
@@ -193,6 +197,13 @@ class _Common(BaseModel):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str] | None:
         return stop_strings(v)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be at least 1 (or -1 for the server's default)")
+        return None if v == -1 else v
 
     @field_validator("logit_bias")
     @classmethod

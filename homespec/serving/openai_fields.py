@@ -7,7 +7,9 @@ Every field the OpenAI API defines for the two endpoints is listed here as one o
   (null always; `harmless` lists the others, e.g. n = 1): accepting it and answering without it
   would hand the client something other than what it asked for.
 Fields OpenAI does not define are refused too (the request models forbid extra fields), except
-homespec's own: top_k, min_p, repetition_penalty and the `homespec` object.
+homespec's own: top_k, min_p, repetition_penalty and the `homespec` object; and llama.cpp
+server's sampling options (llama_options.py), which follow the same rule: honoured, ignored where
+they cannot change the answer, or refused by name.
 
 The request models (openai_api.py) declare the fields and call `refusal`; the README's table is
 this one in prose, and tests/unit/test_openai_fields.py checks all three against the fields of the

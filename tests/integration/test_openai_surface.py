@@ -110,3 +110,24 @@ def test_null_flags_mean_their_defaults_and_a_stream_keeps_one_created(served: S
                                                  stream_options={"include_usage": True}, extra_body=OFF))
     # Over more than a second of chunks (64 tokens): "each chunk has the same timestamp".
     assert len(chunks) > 30 and len({c.created for c in chunks}) == 1
+
+
+def test_llama_vscodes_edit_request_samples_in_llama_cpps_order_the_same_with_and_without_speculation(served: Served) -> None:
+    """llama.vscode's "edit with AI" body (llama.cpp's whole default sampling set, its default order
+    "edkypmxt": cuts before temperature) is answered, not refused; seeded, the answer is the same
+    for every proposer, as a seeded draw is a pure function of seed, position and distribution."""
+    from tests.unit.test_llama_options import LLAMA_VSCODE_EDIT
+
+    code = "def area(w, h):\n    return w * h\n"
+    body = {**LLAMA_VSCODE_EDIT, "seed": 3, "max_tokens": 32,
+            "messages": [LLAMA_VSCODE_EDIT["messages"][0],
+                         {"role": "user", "content": f"Rename w to width. Output only the modified code.\n\n{code}"}]}
+    answers = {}
+    with served.client() as c:
+        for mode in ("off", "auto", "draft"):
+            r = c.post("/v1/chat/completions", json={**body, "homespec": {"speculation": mode}})
+            assert r.status_code == 200, r.text
+            answers[mode] = r.json()["choices"][0]["message"]["content"]
+        assert c.post("/v1/chat/completions", json={**body, "max_tokens": -1, "max_completion_tokens": 4}).status_code == 200
+    assert len(set(answers.values())) == 1, answers
+    assert "width" in answers["off"], answers["off"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from homespec.errors import UserError
-from homespec.serving.infill_api import Cutoff, InfillRequest, sampling_order, select_fields, stop_type, timings
+from homespec.serving.infill_api import Cutoff, InfillRequest, select_fields, stop_type, timings
+from homespec.serving.llama_options import sampling_order
 from homespec.speculation.engine import GenerationStats
 from homespec.speculation.sampling import SamplingParams
 
@@ -50,33 +50,6 @@ def test_samplers_not_listed_do_nothing_whatever_their_values():
 def test_a_sampler_homespec_does_not_know_or_cannot_follow_is_refused_by_name(samplers, message):
     with pytest.raises(ValidationError, match=message):
         InfillRequest.model_validate({**BASE, "samplers": samplers})
-
-
-@pytest.mark.parametrize(("names", "params", "order"), [
-    # llama.cpp's default order: the cuts on the untempered distribution, tempered last
-    (["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
-     SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repetition_penalty=1.1),
-     ("top_k", "top_p", "min_p", "temperature")),
-    (["top_k", "top_p", "infill"], SamplingParams(temperature=1.0, top_k=40, top_p=0.99), ("top_k", "top_p", "infill")),
-    (["top_p", "temperature", "infill"], SamplingParams(temperature=0.0, top_p=0.9), ("top_p", "temperature", "infill")),
-    (["top_k", "top_k", "temperature"], SamplingParams(temperature=0.7, top_k=0), ("top_k", "temperature")),  # twice, doing nothing
-    (["temperature", "penalties"], SamplingParams(temperature=0.7), ("temperature",)),  # penalties off: no order to keep
-])
-def test_a_listed_order_becomes_the_order_homespec_samples_in(names, params, order):
-    assert sampling_order(names, params) == order
-
-
-@pytest.mark.parametrize(("names", "params", "message"), [
-    (["temperature", "penalties"], SamplingParams(temperature=0.0, repetition_penalty=1.2), "'penalties' after 'temperature'"),
-    (["top_p", "infill"], SamplingParams(temperature=1.0, top_p=0.9), "needs a top_k"),
-    (["infill", "top_k"], SamplingParams(temperature=1.0, top_k=40), "needs a top_k"),
-    (["top_k", "infill"], SamplingParams(temperature=1.0, top_k=1000), "needs a top_k of 1-256"),
-    (["top_k", "infill", "temperature"], SamplingParams(temperature=0.0, top_k=40), "'infill' before a temperature of 0"),
-    (["temperature", "temperature"], SamplingParams(temperature=0.5), "listed twice"),
-])
-def test_an_order_homespec_cannot_sample_in_is_refused_by_name(names, params, message):
-    with pytest.raises(UserError, match=message):
-        sampling_order(names, params)
 
 
 @pytest.mark.parametrize(("fields", "expected"), [

@@ -168,7 +168,8 @@ def test_a_logit_bias_id_beyond_the_vocabulary_is_a_400_naming_it(server: tuple[
         ("/v1/chat/completions", "reasoning_effort", "low"),
         ("/v1/chat/completions", "web_search_options", {}),
         ("/v1/chat/completions", "top_logprobs", 3),  # without logprobs: true
-        ("/v1/chat/completions", "mirostat", 2),  # not OpenAI's: unknown
+        ("/v1/chat/completions", "mirostat", 2),  # llama.cpp's: refused where it would change the answer
+        ("/v1/chat/completions", "tfs_z", 0.9),  # neither OpenAI's nor llama.cpp's: unknown
         ("/v1/completions", "best_of", 3),
         ("/v1/completions", "n", 2),
         ("/v1/completions", "logprobs", 6),

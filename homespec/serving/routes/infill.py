@@ -83,13 +83,8 @@ def _generation_request(daemon: Daemon, body: ia.InfillRequest) -> GenerationReq
     try:
         # n_predict 0 evaluates the prompt (editors warm the cache with it): one token is
         # sampled, as generation needs one, and nothing of it is answered.
-        gen = build_request(daemon.cfg, mode=h.speculation or Mode.AUTO, k=h.k, max_tokens=1 if limit == 0 else limit,
-                            stop=body.stops(), **body.sampling())
-        chain = body.chain()
-        if chain is not None:
-            order = ia.sampling_order(chain, gen.params)
-            gen = dataclasses.replace(gen, params=dataclasses.replace(gen.params, order=order), infill="infill" in order)
-        return gen
+        return build_request(daemon.cfg, mode=h.speculation or Mode.AUTO, k=h.k, max_tokens=1 if limit == 0 else limit,
+                             stop=body.stops(), samplers=body.chain(), **body.sampling())
     except UserError as e:
         raise oa.ApiError(400, str(e)) from None
 

@@ -131,6 +131,15 @@ def check_model(cfg: Config, name: str | None) -> None:
 def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str | None = None) -> GenerationRequest:
     h = check_speculation(daemon, body.homespec)
     try:
+        sampling = body.with_llama_options({
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "repetition_penalty": body.repetition_penalty,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+        })
         return build_request(
             daemon.cfg,
             mode=h.speculation or Mode.AUTO,  # auto: the daemon's current mode
@@ -138,17 +147,12 @@ def to_request(daemon: Daemon, body: oa._Common, limit: int | None, grammar: str
             max_tokens=limit,
             stop=body.stops(),
             grammar=grammar,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
             # OpenAI's seed is a signed int64; numpy wants a non-negative one: map it 1:1.
             seed=None if body.seed is None else body.seed % 2**64,
             logit_bias=body.token_bias(),
             logprobs=body.logprobs_top(),
+            samplers=body.chain(),
+            **sampling,
         )
     except UserError as e:
         raise oa.ApiError(400, str(e)) from None
