@@ -58,7 +58,7 @@ class GenerationRequest:
     k: int | None = None  # fixed modes; None = config's speculation.k
     grammar: str | None = None  # llguidance grammar every token must follow (constraints.py)
     logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
-    infill: bool = False  # llama.cpp's infill sampler ends the chain (/infill's `samplers`; sampling.py)
+    infill: bool = False  # llama.cpp's infill sampler is one of the steps (`samplers`); see Host._params
 
 
 def build_request(
@@ -91,7 +91,7 @@ def build_request(
     infill = False
     if samplers is not None:
         params = replace(params, order=sampling_order(samplers, params))
-        infill = "infill" in params.order  # bound to the target's vocabulary in Session.steps
+        infill = "infill" in params.order  # bound to the target's vocabulary in Host._params
     return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar, logprobs, infill)
 
 

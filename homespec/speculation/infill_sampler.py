@@ -43,7 +43,7 @@ def infill_keep(ids: np.ndarray, p: np.ndarray, vocab: InfillVocab) -> np.ndarra
     whose distribution is p [n] (the cuts before infill left them; sums to 1). The draw is then
     by the kept tokens' own odds. None: no text token is left, and the answer is vocab.eot
     alone. Quadratic in the candidates, as llama.cpp's: the request check
-    (serving/infill_api.py) asks for a top_k before it."""
+    (serving/llama_options.py) asks for a top_k before it."""
     order = np.argsort(-p, kind="stable")  # [n] likeliest first, as llama.cpp sorts them
     ids, mass = ids[order], p[order].astype(np.float64)  # [n], [n] merged masses
     mass /= mass.sum()

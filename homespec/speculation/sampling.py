@@ -68,10 +68,11 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, bias) pairs, ids ascending; added to those logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
     # llama.cpp's infill sampler, over this vocabulary; None = not asked for. Bound to the
-    # loaded target (host.Session.steps), as a request only names it.
+    # loaded target (serving/host.py, Host._params), as a request only names it.
     infill: InfillVocab | None = None
     # The order temperature and the cuts apply in (probabilities); one left out does nothing.
-    # A request may name llama.cpp's (/infill's `samplers`), which tempers after the cuts.
+    # A request may name llama.cpp's (its `samplers`, serving/llama_options.py), which tempers
+    # after the cuts.
     order: tuple[str, ...] = DEFAULT_ORDER
 
     def __post_init__(self) -> None:
