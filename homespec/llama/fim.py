@@ -20,8 +20,11 @@ including what its comments and README do not say:
   tokens (the repository header and the first chunks are dropped first).
 - Without FIM_SEP, each chunk is preceded by "\\n\\n--- snippet ---\\n\\n" instead.
 
-Where homespec differs: n_predict is the request's token limit (llama.cpp passes the server-wide
-`-n`, usually -1), so the extra context leaves room for the answer the request may write.
+Where homespec differs: n_predict is the server's default token limit (`sampling.max_tokens`),
+the same for every request, so the extra context leaves room for an answer (llama.cpp passes the
+server-wide `-n`, usually -1, and leaves none). It must not be each request's own limit: editors
+warm the cache with n_predict 0 and then ask with 128, and a cut that moved with it would make
+the two prompts differ from their first token, so the completion would read all of it again.
 
 User text (prefix, suffix, chunks, filenames) is tokenized by `tokenize`, which must NOT parse
 special tokens: a file that contains "<|fim_middle|>" or "<|im_end|>" is text, never a marker.

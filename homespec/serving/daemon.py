@@ -216,6 +216,12 @@ class Daemon:
     def ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def n_ctx(self) -> int:
+        """Tokens of context a request gets: the load plan's (memory may have shrunk the
+        configured one), else the config's."""
+        return self.plan.n_ctx if self.plan else self.cfg.runtime.n_ctx
+
     def healthy(self, stall_s: float = 120.0) -> bool:
         """For the systemd watchdog: the worker lives and makes progress. A prefill chunk of 512
         tokens takes ~13 s on 2 cores, a load plus warm-up ~30 s; no step for stall_s means hung.

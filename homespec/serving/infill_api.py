@@ -202,7 +202,9 @@ def final_body(text: str, st: GenerationStats, *, stream: bool, finish: str | No
         "truncated": finish == "context",
         "stop_type": stop_type(finish, st.stop_word, cut),
         "stopping_word": st.stop_word or "",
-        "tokens_cached": st.cached_tokens,
+        # llama-server's: the tokens the slot holds after the request (editors show it as the
+        # context's fill, "c: 53 / 4096"); the prompt tokens reused are timings' cache_n
+        "tokens_cached": st.prompt_tokens + st.completion_tokens,
         "timings": timings(st, wall_s),
         "homespec": homespec,
     }

@@ -14,6 +14,9 @@ and the OpenAI routes.
   name, never dropped.
 - Cache and slot controls (`cache_prompt`, `id_slot`, `t_max_prompt_ms`, ...) have nothing to do
   here: homespec's prefix cache is always on and picks its own slot.
+- `n_predict` is max_tokens by llama.cpp's name (0: see llama_limit); `response_fields` shapes
+  llama.cpp's own answers only, so the OpenAI routes accept it and answer in OpenAI's shape, as
+  llama-server does.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class LlamaCppOptions(BaseModel):
     """The options, declared so that a request model refusing unknown fields accepts them."""
 
     samplers: list[str] | str | None = None
+    n_predict: int | None = Field(None, ge=-1)  # llama.cpp's max_tokens: -1 the server's default, 0 the prompt only
     repeat_penalty: float | None = Field(None, gt=0, le=10)  # homespec's repetition_penalty
     repeat_last_n: int | None = None
     # The samplers homespec lacks (NEUTRAL) ...
@@ -89,6 +93,8 @@ class LlamaCppOptions(BaseModel):
     t_max_prompt_ms: int | None = None
     timings_per_token: bool | None = None
     return_progress: bool | None = None
+    # llama.cpp shapes only its own answers with it (/completion, /infill), never OpenAI's.
+    response_fields: list[str] | None = None
 
     @field_validator(*NEUTRAL)
     @classmethod
@@ -106,6 +112,13 @@ class LlamaCppOptions(BaseModel):
             raise ValueError(f"not supported (it would change the answer): repeat_last_n={self.repeat_last_n!r} "
                              f"(the penalty window is {PENALTY_LAST_N})")
         return self
+
+    def llama_limit(self) -> int | None:
+        """n_predict as a token limit; None: the server's default (unset or -1). 0, with which
+        llama.cpp reads the prompt into its cache and writes nothing (editors warm the cache so),
+        writes one token here: homespec's generation writes at least one."""
+        n = self.n_predict
+        return None if n is None or n < 0 else max(1, n)
 
     def samples(self) -> bool:
         """Whether anything is sampled (llama.cpp's n_predict 0 evaluates the prompt only)."""

@@ -360,7 +360,7 @@ class ChatRequest(_ChatFields):
         return c
 
     def limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens or self.max_tokens or self.llama_limit()
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """The history as chat templates take it: "developer" is OpenAI's newer "system"; tool
@@ -411,7 +411,7 @@ class CompletionRequest(_CompletionFields):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
     def limit(self) -> int | None:
-        return self.max_tokens
+        return self.max_tokens or self.llama_limit()
 
 
 # -- responses -----------------------------------------------------------------------------------

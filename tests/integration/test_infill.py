@@ -160,6 +160,25 @@ def test_an_editor_plugins_request_samples_through_the_infill_sampler_the_same_w
     assert answers["off"] == expected, answers
 
 
+def test_an_editors_warm_up_leaves_the_cache_its_completion_reads_even_past_the_extra_contexts_budget(served: Served):
+    # llama.vim and llama.vscode send their ring of extra context with n_predict 0 while you type,
+    # then the completion with n_predict 128. The extra context is cut to a budget; a budget that
+    # moved with n_predict cut the two at different places, and the completion read it all again.
+    chunks = [{"filename": f"util_{i}.py", "text": "".join(f"def helper_{i}_{j}(x):\n    return x * {i + j}\n\n" for j in range(8))}
+              for i in range(12)]  # ~1,000 tokens: more than the served context's budget for them
+    warm = post_infill(served, {"input_prefix": "", "input_suffix": "", "input_extra": chunks, "prompt": "", "n_predict": 0,
+                                "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1, "t_max_predict_ms": 1})
+    assert warm.status_code == 200, warm.text
+    _, prefix, suffix, _ = SNIPPETS[0]
+    r = post_infill(served, {"input_prefix": prefix, "input_suffix": suffix, "input_extra": chunks, "n_predict": 8,
+                             "temperature": 0, "stop": EDITOR_STOPS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # everything but the prefix, suffix and markers came from the warm-up's cache
+    assert body["timings"]["cache_n"] > body["tokens_evaluated"] - 40, body["timings"]
+    assert body["tokens_cached"] == body["tokens_evaluated"] + body["tokens_predicted"]  # llama-server's: the slot's fill
+
+
 def test_infill_reports_the_sampler_order_it_followed_and_refuses_one_it_cannot(served: Served):
     _, prefix, suffix, _ = SNIPPETS[0]
     body = {**LLAMA_VIM, "input_prefix": prefix, "input_suffix": suffix, "n_predict": 2, "response_fields": None}

@@ -131,3 +131,23 @@ def test_llama_vscodes_edit_request_samples_in_llama_cpps_order_the_same_with_an
         assert c.post("/v1/chat/completions", json={**body, "max_tokens": -1, "max_completion_tokens": 4}).status_code == 200
     assert len(set(answers.values())) == 1, answers
     assert "width" in answers["off"], answers["off"]
+
+
+def test_llama_cpp_clients_requests_are_answered_as_llama_server_answers_them(served: Served) -> None:
+    """What llama.vim and llama.vscode send beyond OpenAI's surface: an empty `model` (their model
+    setting left empty), routes without /v1, llama.vim's instruct warm-up (n_predict 0,
+    response_fields, samplers []), and a context size to size prompts by."""
+    with served.client() as c:
+        warm = c.post("/v1/chat/completions", json={
+            "id_slot": 0, "model": "", "messages": [{"role": "user", "content": "Rename x to y."}], "samplers": [],
+            "n_predict": 0, "stream": False, "cache_prompt": True, "response_fields": [""]})
+        assert warm.status_code == 200, warm.text
+        assert warm.json()["object"] == "chat.completion" and warm.json()["usage"]["completion_tokens"] == 1
+        card = c.get("/models").json()["data"][0]
+        assert card == c.get("/v1/models").json()["data"][0] and card["context_length"] == served.daemon.n_ctx
+    # llama.vscode's OpenAI-compatible completion mode: the openai client at the server's root, model "".
+    root = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+    done = root.completions.create(model="", prompt="def add(a, b):\n    return", max_tokens=4, temperature=0.1, top_p=0.99)
+    assert done.choices[0].text and done.usage.completion_tokens <= 4
+    chat = root.chat.completions.create(model="", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4)
+    assert chat.choices[0].message.content

@@ -83,3 +83,13 @@ def test_max_tokens_zero_is_refused_and_minus_one_is_the_default():
     with pytest.raises(ValidationError, match="at least 1"):
         ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
     assert CompletionRequest.model_validate({"prompt": "hi", "max_tokens": -1}).limit() is None
+
+
+def test_n_predict_is_max_tokens_by_llama_cpps_name_and_zero_writes_one_token():
+    # llama.vim's instruct warm-up (autoload/llama.vim): read the prompt into the cache, write nothing
+    warm = ChatRequest.model_validate({"id_slot": 0, "messages": [{"role": "user", "content": "hi"}], "samplers": [],
+                                       "n_predict": 0, "stream": False, "cache_prompt": True, "response_fields": [""]})
+    assert warm.limit() == 1 and warm.chain() == []
+    assert CompletionRequest.model_validate({"prompt": "hi", "n_predict": 7}).limit() == 7
+    assert CompletionRequest.model_validate({"prompt": "hi", "n_predict": -1}).limit() is None
+    assert CompletionRequest.model_validate({"prompt": "hi", "n_predict": 7, "max_tokens": 3}).limit() == 3  # OpenAI's first

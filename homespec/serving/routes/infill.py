@@ -49,7 +49,10 @@ log = logging.getLogger("homespec.serving.infill")
 async def infill(request: Request, body: ia.InfillRequest) -> Any:
     daemon = daemon_of(request)
     gen = _generation_request(daemon, body)
-    prefix, suffix, prompt, n_predict = body.input_prefix, body.input_suffix, body.prompt, gen.max_tokens
+    # The room left for the answer is the server's default, not this request's n_predict: an
+    # editor's warm-up (n_predict 0) and its completion (128) then cut the extra context at the
+    # same place, and the completion finds the warm-up's cache (llama/fim.py).
+    prefix, suffix, prompt, n_predict = body.input_prefix, body.input_suffix, body.prompt, daemon.cfg.sampling.max_tokens
     extra = [Chunk(c.text, c.filename) for c in body.input_extra]
     job = Job(gen, sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s,
               encode=lambda models: models.encode_infill(prefix, suffix, extra=extra, prompt=prompt, n_predict=n_predict))
@@ -107,7 +110,7 @@ class _Answer:
             "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repetition_penalty, "repeat_last_n": p.penalty_last_n,
             "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
             "seed": -1 if p.seed is None else p.seed, "stop": list(gen.stop), "n_indent": body.n_indent,
-            "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream, "n_ctx": daemon.cfg.runtime.n_ctx,
+            "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream, "n_ctx": daemon.n_ctx,
             "model": self.model, "speculation": str(self.meta.get("mode", "auto")),
             # the order followed: the one asked for, else homespec's own
             "samplers": body.chain() or ["penalties", *(n for n in p.order if n != "infill")],

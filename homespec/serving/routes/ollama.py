@@ -152,7 +152,7 @@ async def ps(request: Request) -> dict:
         vram = sum(fp.weights_vram + fp.kv_vram + fp.compute_vram for fp in loaded)
     entry = {"name": tag(cfg), "model": tag(cfg), "size": size, "digest": digest,
              "details": ol.details(card.metadata, card.n_params, card.file_type), "expires_at": ol.expiry(expires),
-             "size_vram": vram, "context_length": daemon.plan.n_ctx if daemon.plan else cfg.runtime.n_ctx}
+             "size_vram": vram, "context_length": daemon.n_ctx}
     return {"models": [entry]}
 
 
@@ -286,7 +286,7 @@ def _grammar(fmt: ol.Format, tools: ToolUse | None, body: ol.ChatRequest | ol.Ge
 def _request(daemon: Daemon, body: ol.ChatRequest | ol.GenerateRequest, grammar: str | None) -> GenerationRequest:
     o = body.options
     h = check_speculation(daemon, oa.HomespecOptions(speculation=o.homespec_speculation, k=o.homespec_k))
-    n_ctx = daemon.plan.n_ctx if daemon.plan else daemon.cfg.runtime.n_ctx
+    n_ctx = daemon.n_ctx
     try:
         return build_request(daemon.cfg, mode=h.speculation or Mode.AUTO, k=h.k, max_tokens=o.limit(n_ctx), stop=o.stop or (),
                              grammar=grammar, logprobs=body.logprobs_top(), **o.sampling())

@@ -48,6 +48,7 @@ log = logging.getLogger("homespec.serving.openai")
 
 
 @router.get("/v1/models")
+@router.get("/models")  # llama-server serves its routes with and without /v1, and clients use both
 async def models(request: Request) -> dict:
     return {"object": "list", "data": [_model_card(daemon_of(request))]}
 
@@ -61,10 +62,14 @@ async def model(request: Request, name: str) -> dict:
 
 
 def _model_card(daemon: Daemon) -> dict:
-    return {"id": model_id(daemon.cfg), "object": "model", "created": int(daemon.started), "owned_by": "homespec"}
+    # context_length (OpenRouter's field; llama.vscode and other clients read it): the tokens a
+    # request may hold, so a client sizes its prompts to it instead of guessing (8192, say).
+    return {"id": model_id(daemon.cfg), "object": "model", "created": int(daemon.started), "owned_by": "homespec",
+            "context_length": daemon.n_ctx}
 
 
 @router.post("/v1/chat/completions")
+@router.post("/chat/completions")
 async def chat(request: Request, body: oa.ChatRequest) -> Any:
     daemon = daemon_of(request)
     messages = body.chat_messages()
@@ -102,13 +107,14 @@ def _chat_grammar(body: oa.ChatRequest, tools: ToolUse | None) -> str | None:
 
 
 @router.post("/v1/completions")
+@router.post("/completions")
 async def completions(request: Request, body: oa.CompletionRequest) -> Any:
     text, suffix = body.text(), body.suffix
     if suffix is None:
         return await _complete(request, body, "completion", lambda models: models.encode_text(text))
     # Fill in the middle: the prompt is the code before the gap, the suffix the code after it.
     # The prompt's budget leaves room for as many tokens as this answer may write.
-    n_predict = body.limit() or daemon_of(request).cfg.sampling.max_tokens
+    n_predict = daemon_of(request).cfg.sampling.max_tokens  # the same for every request, as /infill's
     return await _complete(request, body, "completion",
                            lambda models: models.encode_infill(text, suffix, n_predict=n_predict))
 
@@ -124,7 +130,8 @@ async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Call
 
 
 def check_model(cfg: Config, name: str | None) -> None:
-    if name is not None and name not in (model_id(cfg), "homespec"):
+    # "" is no name: llama.vim and llama.vscode send it when their model setting is empty.
+    if name and name not in (model_id(cfg), "homespec"):
         raise oa.ApiError(404, f"model {name!r} not found; this server serves {model_id(cfg)!r}", param="model", code="model_not_found")
 
 
