@@ -68,6 +68,7 @@ class InfillRequest(LlamaCppOptions):
     n_indent: int = Field(0, ge=0)  # lines after the first need at least this indentation
     t_max_predict_ms: int = Field(0, ge=0)  # after a newline, stop once this long has passed
     response_fields: list[str] | None = None  # keep only these ("timings/prompt_n": nested)
+    n_cmpl: int = 1  # completions of the same prompt, answered as a list (at most one per slot)
     homespec: HomespecOptions | None = None  # as on the OpenAI routes: {"speculation": "off", "k": 4}
 
     @field_validator("stop")

@@ -179,6 +179,23 @@ def test_an_editors_warm_up_leaves_the_cache_its_completion_reads_even_past_the_
     assert body["tokens_cached"] == body["tokens_evaluated"] + body["tokens_predicted"]  # llama-server's: the slot's fill
 
 
+def test_n_cmpl_answers_that_many_completions_as_a_list_up_to_one_per_slot(served: Served):
+    # llama.vscode asks for 3 (max_parallel_completions) and cycles through them.
+    _, prefix, suffix, expected = SNIPPETS[3]
+    body = {**LLAMA_VIM, "input_prefix": prefix, "input_suffix": suffix, "n_cmpl": 3, "response_fields": None}
+    r = post_infill(served, body)
+    assert r.status_code == 200, r.text
+    answers = r.json()
+    assert isinstance(answers, list) and [a["index"] for a in answers] == [0, 1, 2]
+    assert all(expected in a["content"] and a["stop"] for a in answers), [a["content"] for a in answers]
+    slots = served.daemon.slots
+    r = post_infill(served, {**body, "n_cmpl": slots + 1})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        f"Field 'n_cmpl': Value must be between 1 <= value <= {slots}, but got {slots + 1}"), r.text  # llama-server's words
+    assert post_infill(served, {**body, "n_cmpl": 2, "stream": True}).status_code == 400
+    assert isinstance(post_infill(served, {**body, "n_cmpl": 1}).json(), dict)
+
+
 def test_infill_reports_the_sampler_order_it_followed_and_refuses_one_it_cannot(served: Served):
     _, prefix, suffix, _ = SNIPPETS[0]
     body = {**LLAMA_VIM, "input_prefix": prefix, "input_suffix": suffix, "n_predict": 2, "response_fields": None}

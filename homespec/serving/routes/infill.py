@@ -10,6 +10,7 @@ cancelled and stops at its next step.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -49,35 +50,79 @@ log = logging.getLogger("homespec.serving.infill")
 async def infill(request: Request, body: ia.InfillRequest) -> Any:
     daemon = daemon_of(request)
     gen = _generation_request(daemon, body)
+    n = _completions(daemon, body)
+    if body.stream:
+        job = _job(daemon, body, gen)
+        bridge = submit(request, job)
+        try:
+            first = await bridge.next(request, job)
+            if first.kind == "error":
+                raise job_error(first)
+            answer = _Answer(daemon, body, gen, first)
+            await bridge.first_output(request, job, pings=daemon.cfg.server.sse_ping_s > 0)
+            return EventSourceResponse(_stream(request, bridge, job, answer), sep="\n", ping=daemon.cfg.server.sse_ping_s)
+        except ClientGone:
+            log.info("request %s: client disconnected, infill cancelled", job.id)
+            return Response(status_code=CLIENT_GONE_STATUS)
+    # n_cmpl completions of the same prompt (llama.vscode cycles through them): one job each,
+    # decoding side by side in the running batch, the prompt borrowed from the first that read it.
+    jobs: list[Job] = []
+    waits: list[asyncio.Future[dict[str, Any]]] = []
+    try:
+        for i in range(n):
+            jobs.append(_job(daemon, body, gen))
+            waits.append(asyncio.ensure_future(_whole(request, daemon, body, gen, jobs[-1], submit(request, jobs[-1]), i)))
+        answers = await asyncio.gather(*waits)
+        return answers[0] if n == 1 else answers
+    except ClientGone:
+        log.info("request %s: client disconnected, infill cancelled", jobs[0].id)
+        return Response(status_code=CLIENT_GONE_STATUS)
+    finally:
+        for w, j in zip(waits, jobs, strict=False):
+            w.cancel()  # no-ops for what has finished; the others when one failed or the client left
+            j.cancel()
+
+
+def _job(daemon: Daemon, body: ia.InfillRequest, gen: GenerationRequest) -> Job:
     # The room left for the answer is the server's default, not this request's n_predict: an
     # editor's warm-up (n_predict 0) and its completion (128) then cut the extra context at the
     # same place, and the completion finds the warm-up's cache (llama/fim.py).
     prefix, suffix, prompt, n_predict = body.input_prefix, body.input_suffix, body.prompt, daemon.cfg.sampling.max_tokens
     extra = [Chunk(c.text, c.filename) for c in body.input_extra]
-    job = Job(gen, sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s,
-              encode=lambda models: models.encode_infill(prefix, suffix, extra=extra, prompt=prompt, n_predict=n_predict))
-    bridge = submit(request, job)
-    try:
-        first = await bridge.next(request, job)
-        if first.kind == "error":
-            raise job_error(first)
-        answer = _Answer(daemon, body, gen, first)
-        if body.stream:
-            await bridge.first_output(request, job, pings=daemon.cfg.server.sse_ping_s > 0)
-            return EventSourceResponse(_stream(request, bridge, job, answer), sep="\n", ping=daemon.cfg.server.sse_ping_s)
-        while True:
-            ev = await bridge.next(request, job)
-            if ev.kind == "error":
-                raise job_error(ev)
-            if ev.kind == "delta":
-                answer.add(ev)
-                if answer.cutoff.hit:
-                    job.cancel()
-            elif ev.kind == "done":
-                return answer.final(ev, stream=False)
-    except ClientGone:
-        log.info("request %s: client disconnected, infill cancelled", job.id)
-        return Response(status_code=CLIENT_GONE_STATUS)
+    return Job(gen, sink=lambda ev: None, timeout_s=daemon.cfg.server.request_timeout_s,
+               encode=lambda models: models.encode_infill(prefix, suffix, extra=extra, prompt=prompt, n_predict=n_predict))
+
+
+def _completions(daemon: Daemon, body: ia.InfillRequest) -> int:
+    """How many completions to write: n_cmpl, at most one per slot (llama-server's bound and
+    words, which llama.vscode reads); one for a warm-up (n_predict 0), which answers nothing."""
+    if body.limit() == 0:
+        return 1
+    if not 1 <= body.n_cmpl <= daemon.slots:
+        raise oa.ApiError(400, f"Field 'n_cmpl': Value must be between 1 <= value <= {daemon.slots}, but got {body.n_cmpl}",
+                          param="n_cmpl")
+    if body.n_cmpl > 1 and body.stream:
+        raise oa.ApiError(400, "n_cmpl > 1 is answered whole: send stream: false", param="n_cmpl")
+    return body.n_cmpl
+
+
+async def _whole(request: Request, daemon: Daemon, body: ia.InfillRequest, gen: GenerationRequest, job: Job,
+                 bridge: Bridge, index: int) -> dict[str, Any]:
+    """One completion, answered whole."""
+    first = await bridge.next(request, job)
+    if first.kind == "error":
+        raise job_error(first)
+    answer = _Answer(daemon, body, gen, first, index)
+    while True:
+        ev = await bridge.next(request, job)
+        if ev.kind == "error":
+            raise job_error(ev)
+        if ev.kind == "delta":
+            answer.add(ev)
+            if answer.cutoff.hit:
+                job.cancel()
+        elif ev.kind == "done":
+            return answer.final(ev, stream=False)
 
 
 def _generation_request(daemon: Daemon, body: ia.InfillRequest) -> GenerationRequest:
@@ -95,8 +140,9 @@ def _generation_request(daemon: Daemon, body: ia.InfillRequest) -> GenerationReq
 class _Answer:
     """The answer so far: its text through the cutoffs, its token count, and how to end it."""
 
-    def __init__(self, daemon: Daemon, body: ia.InfillRequest, gen: GenerationRequest, started: JobEvent) -> None:
-        self.daemon, self.model = daemon, model_id(daemon.cfg)
+    def __init__(self, daemon: Daemon, body: ia.InfillRequest, gen: GenerationRequest, started: JobEvent,
+                 index: int = 0) -> None:
+        self.daemon, self.model, self.index = daemon, model_id(daemon.cfg), index
         self.quiet = body.limit() == 0  # n_predict 0: nothing is answered
         self.cutoff = ia.Cutoff(body.n_indent, body.t_max_predict_ms)
         self.fields = body.response_fields
@@ -134,6 +180,7 @@ class _Answer:
         extra = homespec_extra(self.daemon, st, self.meta)
         body = ia.final_body(self.cutoff.text, st, stream=stream, finish=ev.finish_reason, cut=self.cutoff.hit,
                              model=self.model, wall_s=time.perf_counter() - self.t0, settings=self.settings, homespec=extra)
+        body["index"] = self.index  # which of n_cmpl
         return ia.select_fields(body, self.fields) if self.fields is not None else body
 
 
