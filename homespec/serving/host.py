@@ -86,12 +86,11 @@ def build_request(
     try:
         params = SamplingParams(**{f: getattr(s, f) for f in SamplingParams.__dataclass_fields__ if f in type(s).model_fields})
         params = with_logit_bias(params, logit_bias)
+        if samplers is not None:
+            params = replace(params, order=sampling_order(samplers, params))
     except ValueError as e:
         raise UserError(str(e)) from None
-    infill = False
-    if samplers is not None:
-        params = replace(params, order=sampling_order(samplers, params))
-        infill = "infill" in params.order  # bound to the target's vocabulary in Host._params
+    infill = "infill" in params.order and samplers is not None  # bound to the target's vocabulary in Host._params
     return GenerationRequest(params, s.max_tokens, stop, spec.mode, k, grammar, logprobs, infill)
 
 

@@ -106,7 +106,8 @@ class LlamaCppOptions(BaseModel):
     @model_validator(mode="after")
     def _llama_cpp_options(self) -> LlamaCppOptions:
         self.chain()  # an unknown sampler, named
-        penalised = (self.repeat_penalty not in (None, 1) or bool(getattr(self, "presence_penalty", None))
+        penalised = (self.repeat_penalty not in (None, 1) or getattr(self, "repetition_penalty", None) not in (None, 1)
+                     or bool(getattr(self, "presence_penalty", None))
                      or bool(getattr(self, "frequency_penalty", None)))
         if penalised and self.repeat_last_n not in (None, PENALTY_LAST_N):
             raise ValueError(f"not supported (it would change the answer): repeat_last_n={self.repeat_last_n!r} "

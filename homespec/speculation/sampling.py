@@ -229,6 +229,11 @@ def _infill(ids: np.ndarray | None, z: np.ndarray, params: SamplingParams) -> Ca
     if params.infill is None:
         return ids, z
     cand = np.arange(z.shape[0]) if ids is None else ids  # [m]
+    # Candidates a grammar or a bias already ruled out (-inf) are dead to llama.cpp's sampler:
+    # they neither count nor merge (top_k keeps ties at a cut of -inf, all of them).
+    live = np.isfinite(z)
+    if not live.all():
+        cand, z = cand[live], z[live]
     keep = infill_keep(cand, _softmax(z), params.infill)
     if keep is None:  # no text token left: the end of text, certain
         return np.array([params.infill.eot]), np.zeros(1)

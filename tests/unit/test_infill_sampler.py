@@ -74,3 +74,15 @@ def test_infill_ends_the_chain_and_leaves_greedy_alone():
     assert sampled == pytest.approx(dist(t0=0.30 / 0.58, t2=0.28 / 0.58), abs=1e-9)
     greedy = probabilities(logits, SamplingParams(temperature=0.0, infill=VOCAB))
     assert int(np.argmax(greedy)) == 0 and greedy.sum() == 1.0
+
+
+def test_candidates_a_grammar_ruled_out_neither_count_nor_merge():
+    # A grammar leaves 3 tokens of 152k; top_k 40 then keeps every tie at -inf. llama.cpp's sampler
+    # treats those as dead: the end-token test counts 3 candidates, not 152k (and it stays fast).
+    logits = np.full(152_000, -np.inf)
+    logits[[2, 3, EOT]] = np.log([0.6, 0.35, 0.05])
+    vocab = InfillVocab(piece=lambda t: PIECES.get(t, b"tok%d" % t), is_eog=lambda t: t == EOT, eot=EOT)
+    p = probabilities(logits, SamplingParams(temperature=1.0, top_k=40, order=("top_k", "infill"), infill=vocab))
+    # 3 x 0.05 x 3 = 0.45 < 0.95: the text stays ("x" and "y" pass both cuts, the end token too);
+    # counted over 152k candidates, the end token alone would be kept
+    assert set(np.flatnonzero(p)) == {2, 3, EOT}

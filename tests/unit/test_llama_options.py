@@ -93,3 +93,8 @@ def test_n_predict_is_max_tokens_by_llama_cpps_name_and_zero_writes_one_token():
     assert CompletionRequest.model_validate({"prompt": "hi", "n_predict": 7}).limit() == 7
     assert CompletionRequest.model_validate({"prompt": "hi", "n_predict": -1}).limit() is None
     assert CompletionRequest.model_validate({"prompt": "hi", "n_predict": 7, "max_tokens": 3}).limit() == 3  # OpenAI's first
+
+
+def test_a_penalty_by_either_name_needs_the_window_homespec_has():
+    with pytest.raises(ValidationError, match="repeat_last_n"):
+        ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.3, "repeat_last_n": 256})

@@ -159,7 +159,7 @@ class _Answer:
             "t_max_predict_ms": body.t_max_predict_ms, "stream": body.stream, "n_ctx": daemon.n_ctx,
             "model": self.model, "speculation": str(self.meta.get("mode", "auto")),
             # the order followed: the one asked for, else homespec's own
-            "samplers": body.chain() or ["penalties", *(n for n in p.order if n != "infill")],
+            "samplers": chain if (chain := body.chain()) is not None else ["penalties", *(n for n in p.order if n != "infill")],
         }
 
     def add(self, ev: JobEvent) -> str:
