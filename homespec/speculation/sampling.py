@@ -12,7 +12,7 @@ llama.cpp's sampler chain), then temperature, then the truncations on the temper
 (the order of Hugging Face's `generate`). llama.cpp truncates before tempering, which differs
 only when top_p/min_p and temperature are both set; a request may ask for that order
 (`SamplingParams.order`, from llama.cpp's `samplers`). llama.cpp's infill sampler, which editor
-plugins ask `/infill` for, ends the chain when a request sets it (infill_sampler.py). Each step
+plugins ask `/infill` for, is a step too, where the order puts it (infill_sampler.py). Each step
 narrows the candidates; the draw is by a softmax of what is left of their logits.
 
 The logit bias is OpenAI's: a number in [-100, 100] added to a token's logit; -100 bans the

@@ -114,7 +114,7 @@ async def completions(request: Request, body: oa.CompletionRequest) -> Any:
         return await _complete(request, body, "completion", lambda models: models.encode_text(text))
     # Fill in the middle: the prompt is the code before the gap, the suffix the code after it.
     # The prompt's budget leaves room for as many tokens as this answer may write.
-    n_predict = daemon_of(request).cfg.sampling.max_tokens  # the same for every request, as /infill's
+    n_predict = daemon_of(request).cfg.sampling.max_tokens  # the budget /infill uses (llama/fim.py); no extra context here
     return await _complete(request, body, "completion",
                            lambda models: models.encode_infill(text, suffix, n_predict=n_predict))
 
