@@ -9,16 +9,18 @@ CONFIG ?= config.yaml
 # llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time). It is
 # built for the CPU it runs on: homespec/llama/cpu_build.py reads /proc/cpuinfo and names every x86
 # kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX only with HOMESPEC_AMX=on and a passing
-# tile check: this llama.cpp's AMX kernels died with SIGILL on a Xeon whose tiles work). The wheel is kept
-# in a folder named after the version and the options, never in pip's cache, which is keyed by
-# version only and would hand a wheel built for one CPU to another that lacks its instructions.
+# tile check), and fixes one line of llama.cpp's AMX code that GCC 12 miscompiles (its `fixes`).
+# The wheel is kept in a folder named after the version, the options and the fixes, never in pip's
+# cache, which is keyed by version only and would hand a wheel built for one CPU to another that
+# lacks its instructions.
 # The options are recorded beside the installed package, and the daemon refuses a build this CPU
 # cannot run. For an NVIDIA GPU:
 #     make serve LLAMA_CMAKE_ARGS="-DGGML_CUDA=on"
 LLAMA_VERSION := $(shell sed -n 's/.*"llama-cpp-python==\([^"]*\)".*/\1/p' pyproject.toml)
 LLAMA_CMAKE_ARGS ?= $(shell $(PYTHON) homespec/llama/cpu_build.py cmake-args)
 export CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) $(CMAKE_ARGS)
-LLAMA_BUILD := $(shell printf '%s|%s|%s' '$(LLAMA_VERSION)' '$(CMAKE_ARGS)' "$$(uname -m)" | sha256sum | cut -c1-16)
+LLAMA_FIXES := $(shell $(PYTHON) homespec/llama/cpu_build.py fixes)
+LLAMA_BUILD := $(shell printf '%s|%s|%s|%s' '$(LLAMA_VERSION)' '$(CMAKE_ARGS)' "$$(uname -m)" '$(LLAMA_FIXES)' | sha256sum | cut -c1-16)
 WHEELS      := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/homespec/wheels/$(LLAMA_BUILD)
 LLAMA_STAMP := $(VENV)/.llama-$(LLAMA_BUILD)
 
@@ -45,7 +47,7 @@ $(LLAMA_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip wheel
 	ls $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl >/dev/null 2>&1 || \
-		$(BIN)/python -m pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w $(WHEELS) 'llama-cpp-python==$(LLAMA_VERSION)'
+		$(BIN)/python homespec/llama/cpu_build.py wheel '$(LLAMA_VERSION)' $(WHEELS)
 	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps $(WHEELS)/llama_cpp_python-$(LLAMA_VERSION)-*.whl
 	$(BIN)/python homespec/llama/cpu_build.py stamp "$$($(BIN)/python -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llama_cpp").origin))')" '$(CMAKE_ARGS)'
 	rm -f $(VENV)/.llama-*

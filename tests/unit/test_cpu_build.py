@@ -3,6 +3,7 @@ what it was built for (homespec/llama/cpu_build.py). Flags are scripted: no comp
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,20 +28,22 @@ def test_an_avx512_cpu_gets_the_avx512_kernels_and_amx_only_when_the_check_passe
     assert all(cb.choose(XEON_AMX, amx=True)[k] for k in cb.AMX_OPTIONS)
 
 
-def test_amx_is_left_out_unless_asked_for_because_its_kernels_crash_this_llama_cpp() -> None:
-    assert not cb.amx_wanted({}) and not cb.amx_wanted({"HOMESPEC_AMX": "auto"})
+def test_amx_is_left_out_unless_asked_for_because_it_decodes_slower() -> None:
+    assert not cb.amx_wanted({}) and not cb.amx_wanted({"HOMESPEC_AMX": "off"}) and not cb.amx_wanted({"HOMESPEC_AMX": "auto"})
     assert cb.amx_wanted({"HOMESPEC_AMX": "on"}) and cb.amx_wanted({"HOMESPEC_AMX": "ON"})
 
 
-def test_this_cpu_gets_no_amx_kernels_by_default_even_where_the_tile_check_passes(monkeypatch) -> None:
+def test_asked_for_amx_comes_only_where_the_tile_check_passes(monkeypatch) -> None:
     monkeypatch.setattr(cb.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
     monkeypatch.setattr(cb, "amx_works", lambda cc=None: True)
     monkeypatch.delenv("HOMESPEC_AMX", raising=False)
     assert not any(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
-    assert cb.this_cpu_options()["GGML_AVX512_VNNI"]
     monkeypatch.setenv("HOMESPEC_AMX", "on")
     assert all(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
+    monkeypatch.setattr(cb, "amx_works", lambda cc=None: False)  # advertised, but the kernel refuses the tiles
+    options = cb.this_cpu_options()
+    assert not any(options[k] for k in cb.AMX_OPTIONS) and options["GGML_AVX512_VNNI"]
 
 
 def test_avx512_needs_all_five_of_its_subsets() -> None:
@@ -121,16 +124,103 @@ def test_the_runtime_refuses_a_build_for_another_cpu_before_loading_it(monkeypat
     cb.require_matching_build()  # the right build passes
 
 
-def test_the_runtime_refuses_a_build_with_amx_kernels_unless_amx_was_asked_for(monkeypatch, tmp_path: Path) -> None:
+def test_the_runtime_refuses_a_build_with_amx_kernels_but_without_the_tile_config_fix(monkeypatch, tmp_path: Path) -> None:
     import pytest
 
     from homespec.errors import ModelError
 
-    cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=True))  # an install from before AMX became opt-in
     monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
     monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
-    monkeypatch.delenv("HOMESPEC_AMX", raising=False)
-    with pytest.raises(ModelError, match="AMX kernels.*make install"):
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=True), fixes=[])  # built as llama.cpp ships it: SIGILL
+    with pytest.raises(ModelError, match="AMX kernels but without.*make install"):
         cb.require_matching_build()
-    monkeypatch.setenv("HOMESPEC_AMX", "on")
+    (tmp_path / cb.STAMP_NAME).write_text(json.dumps({"options": cb.choose(XEON_AMX, amx=True)}))  # stamp of an older install
+    with pytest.raises(ModelError, match="AMX kernels but without"):
+        cb.require_matching_build()
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=True))
+    assert cb.read_fixes(tmp_path) == [cb.AMX_FIX]
     cb.require_matching_build()
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=False), fixes=[])  # no AMX kernels: nothing to fix
+    cb.require_matching_build()
+
+
+MMQ_INIT = """inline void ggml_tile_config_init(void) {
+    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    _tile_loadconfig(&tc);
+    done = true;
+}
+"""
+
+
+def _llama_tree(root: Path, mmq: str) -> Path:
+    path = root / "ggml/src/ggml-cpu/amx/mmq.cpp"
+    path.parent.mkdir(parents=True)
+    path.write_text(mmq)
+    return root
+
+
+def test_the_fix_replaces_the_tile_config_load_once_and_a_second_run_changes_nothing(tmp_path: Path) -> None:
+    tree = _llama_tree(tmp_path, MMQ_INIT)
+    assert cb.fix_source(tree) == ["amx-tile-config"]
+    fixed = (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text()
+    assert "_tile_loadconfig(&tc)" not in fixed and '"ldtilecfg %0" :: "m" (tc)' in fixed
+    assert cb.fix_source(tree) == ["amx-tile-config"]
+    assert (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text() == fixed
+
+
+def test_a_source_without_the_line_to_fix_is_refused_not_built_unfixed(tmp_path: Path) -> None:
+    import pytest
+
+    tree = _llama_tree(tmp_path, MMQ_INIT.replace("_tile_loadconfig(&tc);", "load_config(&tc);"))
+    with pytest.raises(RuntimeError, match="amx-tile-config"):
+        cb.fix_source(tree)
+
+
+# The kernel's first steps, ggml_tile_config_init then a tilezero, with the load as llama.cpp has it
+# or as the fix writes it; `tiles` 4 and 5 are the C tiles the kernel zeroes first.
+_TILE_PROGRAM = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+struct tile_config_t { uint8_t palette_id = 0; uint8_t start_row = 0; uint8_t reserved_0[14] = {0};
+                       uint16_t colsb[16] = {0}; uint8_t rows[16] = {0}; };
+__attribute__((noinline)) void config(void) {
+    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    tc.rows[4] = 16; tc.colsb[4] = 64;
+    tc.rows[5] = 16; tc.colsb[5] = 64;
+LOAD}
+int main(void) {
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 2;
+    config();
+    _tile_zero(4);
+    return 0;
+}
+"""
+
+
+def _run_tile_program(tmp_path: Path, load: str, name: str) -> int:
+    src, exe = tmp_path / f"{name}.cpp", tmp_path / name
+    src.write_text(_TILE_PROGRAM.replace("LOAD", load))
+    subprocess.run(["g++", "-O2", "-mamx-tile", "-mamx-int8", "-o", str(exe), str(src)], check=True, capture_output=True)
+    return subprocess.run([str(exe)], capture_output=True).returncode
+
+
+def test_the_fixed_tile_config_load_keeps_the_tiles_configured_where_gcc_drops_them(tmp_path: Path) -> None:
+    """Compiled as ggml compiles it (-O2), on a CPU whose tiles work: the fixed load runs; with
+    GCC 12's _tile_loadconfig the program dies (SIGILL at tilezero, as llama.cpp did; some runs
+    SIGSEGV)."""
+    import shutil
+    import signal
+
+    import pytest
+
+    if shutil.which("g++") is None or "amx_tile" not in cb.cpu_flags() or not cb.amx_works():
+        pytest.skip("needs g++ and a CPU whose AMX tiles work")
+    _, _, original, fixed = cb.SOURCE_FIXES[0]
+    assert _run_tile_program(tmp_path, fixed, "fixed") == 0
+    gcc = subprocess.run(["g++", "-dumpversion"], capture_output=True, text=True).stdout.strip()
+    if gcc.split(".")[0] == "12":
+        assert _run_tile_program(tmp_path, original, "original") in (-signal.SIGILL, -signal.SIGSEGV)  # both seen

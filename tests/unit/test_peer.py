@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from homespec.errors import PeerError
+from homespec.llama import cpu_build
 from homespec.serving import peer_build
 from homespec.serving.bench import PEER, Arm, ArmResult, Run
 from homespec.serving.peer import LlamaServer, PeerSetting, peer_settings
@@ -133,6 +134,13 @@ def test_a_peer_build_is_cached_per_source_options_and_machine(tmp_path: Path) -
     built.chmod(0o755)
     assert peer_build.binary("llama-server", avx2, tmp_path) == built
     assert peer_build.binary("llama-server", avx512, tmp_path) is None  # never another CPU's build
+
+
+def test_a_peer_built_before_a_source_fix_is_not_reused(monkeypatch) -> None:
+    args = "-DGGML_NATIVE=OFF -DGGML_AMX_INT8=ON"
+    with_fixes = peer_build.build_key(args, "x86_64")
+    monkeypatch.setattr(cpu_build, "SOURCE_FIXES", ())
+    assert peer_build.build_key(args, "x86_64") != with_fixes
 
 
 def test_a_source_whose_hash_differs_is_refused_and_removed(tmp_path: Path) -> None:
