@@ -63,13 +63,13 @@ STAMP_NAME = "homespec-cpu-build.json"
 
 # Changes made to llama.cpp's source before it is built: (name, file in the llama.cpp tree, text,
 # replacement). The names go into the build's cache key and its stamp.
+AMX_FIX = "amx-tile-config"
 SOURCE_FIXES: tuple[tuple[str, str, str, str], ...] = (
     # The whole 64-byte configuration as the operand, so its stores stay (module docstring).
-    ("amx-tile-config", "ggml/src/ggml-cpu/amx/mmq.cpp",
+    (AMX_FIX, "ggml/src/ggml-cpu/amx/mmq.cpp",
      "    _tile_loadconfig(&tc);\n",
      "    __asm__ volatile (\"ldtilecfg %0\" :: \"m\" (tc));  // homespec: GCC 12 drops the stores for _tile_loadconfig\n"),
 )
-AMX_FIX = "amx-tile-config"
 
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile
 # configuration and zeroes a tile: the instructions ggml's AMX kernels start with.
@@ -290,7 +290,11 @@ def _main(argv: list[str]) -> int:
     elif argv[:1] == ["fixes"]:
         print(" ".join(fix_names()))
     elif argv[:1] == ["wheel"] and len(argv) == 3:
-        build_wheel(argv[1], Path(argv[2]))
+        try:
+            build_wheel(argv[1], Path(argv[2]))
+        except (OSError, RuntimeError, StopIteration, subprocess.CalledProcessError) as e:
+            print(f"cpu_build.py wheel: {e or 'no llama-cpp-python source came down'}", file=sys.stderr)
+            return 1
     elif argv[:1] == ["stamp"] and len(argv) == 3:
         flags = cpu_flags() if x86 else set()
         options = options_from_args(argv[2], flags, amx=_amx_here(flags)) if x86 else {}
