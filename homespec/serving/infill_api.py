@@ -38,6 +38,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "image_data": (None, []),
     "multimodal_data": (None, []),
     "return_tokens": (False,),  # token ids in the answer: homespec streams text only
+    "logprobs": (None, 0, False),  # llama.cpp's alias of n_probs (token probabilities in the answer)
 }
 
 
@@ -55,7 +56,8 @@ class InfillRequest(LlamaCppOptions):
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: str = ""  # appended to the prefix: the current line up to the cursor, say
     n_predict: int | None = Field(None, ge=-1)  # -1: the server default; 0: evaluate the prompt only
-    max_tokens: int | None = Field(None, ge=-1)  # llama.cpp's alias of n_predict
+    max_completion_tokens: int | None = Field(None, ge=-1)  # llama.cpp's aliases of n_predict, in its order
+    max_tokens: int | None = Field(None, ge=-1)
     stream: bool = False
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, le=5)  # <= 0: greedy
@@ -69,6 +71,7 @@ class InfillRequest(LlamaCppOptions):
     t_max_predict_ms: int = Field(0, ge=0)  # after a newline, stop once this long has passed
     response_fields: list[str] | None = None  # keep only these ("timings/prompt_n": nested)
     n_cmpl: int = 1  # completions of the same prompt, answered as a list (at most one per slot)
+    n: int | None = None  # llama.cpp's alias of n_cmpl (OpenAI's name), used when n_cmpl is not given
     homespec: HomespecOptions | None = None  # as on the OpenAI routes: {"speculation": "off", "k": 4}
 
     @field_validator("stop")
@@ -82,11 +85,13 @@ class InfillRequest(LlamaCppOptions):
         bad = [f"{k}={extra[k]!r}" for k in NEUTRAL if k in extra and not _neutral(extra[k], NEUTRAL[k])]
         if bad:
             raise ValueError(f"not supported (it would change the answer): {', '.join(bad)}")
+        if "n_cmpl" not in self.model_fields_set and self.n is not None:
+            self.n_cmpl = self.n
         return self
 
     def limit(self) -> int | None:
         """Tokens to write: None = the server's default, 0 = none (the prompt is only evaluated)."""
-        n = self.n_predict if self.n_predict is not None else self.max_tokens
+        n = next((v for v in (self.n_predict, self.max_completion_tokens, self.max_tokens) if v is not None), None)
         return None if n is None or n < 0 else n
 
     def samples(self) -> bool:

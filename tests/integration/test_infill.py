@@ -194,6 +194,9 @@ def test_n_cmpl_answers_that_many_completions_as_a_list_up_to_one_per_slot(serve
         f"Field 'n_cmpl': Value must be between 1 <= value <= {slots}, but got {slots + 1}"), r.text  # llama-server's words
     assert post_infill(served, {**body, "n_cmpl": 2, "stream": True}).status_code == 400
     assert isinstance(post_infill(served, {**body, "n_cmpl": 1}).json(), dict)
+    alias = {k: v for k, v in body.items() if k not in ("n_cmpl", "n_predict")} | {"n": 2, "max_completion_tokens": 4}
+    answers = post_infill(served, alias).json()
+    assert isinstance(answers, list) and len(answers) == 2 and all(a["tokens_predicted"] <= 4 for a in answers), answers
 
 
 def test_infill_reports_the_sampler_order_it_followed_and_refuses_one_it_cannot(served: Served):

@@ -68,6 +68,16 @@ def test_n_predict_minus_one_is_the_server_default_and_max_tokens_is_its_alias(n
     assert r.limit() == limit
 
 
+def test_max_completion_tokens_is_an_alias_of_n_predict_ahead_of_max_tokens():
+    assert InfillRequest.model_validate({**BASE, "max_completion_tokens": 7, "max_tokens": 9}).limit() == 7
+    assert InfillRequest.model_validate({**BASE, "n_predict": 5, "max_completion_tokens": 7}).limit() == 5
+
+
+@pytest.mark.parametrize(("fields", "n_cmpl"), [({}, 1), ({"n": 3}, 3), ({"n_cmpl": 2, "n": 3}, 2)])
+def test_n_is_the_number_of_completions_when_n_cmpl_is_not_given(fields, n_cmpl):
+    assert InfillRequest.model_validate({**BASE, **fields}).n_cmpl == n_cmpl
+
+
 def test_up_to_64_stop_strings_are_accepted_and_65_refused():
     assert len(InfillRequest.model_validate({**BASE, "stop": [f"s{i}" for i in range(64)]}).stops()) == 64
     with pytest.raises(ValidationError, match="at most 64"):
@@ -76,7 +86,8 @@ def test_up_to_64_stop_strings_are_accepted_and_65_refused():
 
 @pytest.mark.parametrize("field", [{"typical_p": 0.9}, {"mirostat": 2}, {"grammar": "root ::= \"x\""}, {"n_probs": 3},
                                    {"logit_bias": [[15043, 1.0]]}, {"ignore_eos": True},
-                                   {"return_tokens": True}, {"repeat_penalty": 1.2, "repeat_last_n": 128}])
+                                   {"return_tokens": True}, {"repeat_penalty": 1.2, "repeat_last_n": 128},
+                                   {"logprobs": 3}])
 def test_options_that_would_change_the_answer_are_refused_by_name(field):
     with pytest.raises(ValidationError) as e:
         InfillRequest.model_validate({**BASE, **field})
