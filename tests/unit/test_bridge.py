@@ -116,3 +116,21 @@ def test_a_hang_up_ends_the_wait_for_the_next_event_and_cancels_the_job(monkeypa
     with pytest.raises(ClientGone):
         asyncio.run(main())
     assert job.cancelled.is_set()
+
+
+def test_a_cancelled_wait_leaves_no_task_waiting_on_the_queue_or_the_hang_up() -> None:
+    """n_cmpl's completions wait side by side; when one fails the others are cancelled, and
+    their waits must not linger (a pending queue.get and a hang-up watcher per completion)."""
+    async def main() -> set[asyncio.Task]:
+        bridge, request = Bridge(), _Request()
+        waiting = asyncio.ensure_future(bridge.next(request, _job()))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        before = asyncio.all_tasks() - {asyncio.current_task(), waiting}
+        assert before, "next() waits on the queue and the hang-up beside it"
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)  # let the cancellations land
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert asyncio.run(main()) == set()

@@ -259,7 +259,12 @@ class Bridge:
                 job.cancel()
                 raise ClientGone()
             get = asyncio.ensure_future(self.queue.get())
-            done, _ = await asyncio.wait((get, self._gone), timeout=self.CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait((get, self._gone), timeout=self.CHECK_S, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the handler was (one of n_cmpl's jobs failed): leave nothing waiting
+                get.cancel()
+                self._unwatch()
+                raise
             if get in done:
                 ev = get.result()
                 if ev.kind in ("done", "error"):
