@@ -519,15 +519,7 @@ class Runtime:
     # -- vocabulary ---------------------------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 16
-        buf = (llama_cpp.llama_token * cap)()
-        n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
+        return _tokenize(self._vocab, text, add_special, parse_special)
 
     def tokenize_parts(self, parts: Sequence[tuple[str, bool]], *, add_special: bool = True) -> list[int]:
         """Tokenize (text, trusted) parts: special-token markers count only in trusted parts.
@@ -599,12 +591,7 @@ class Runtime:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (special tokens render as b"" unless special=True)."""
-        buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
-        return buf.raw[:n]
+        return _piece(self._vocab, token, special)
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
@@ -695,6 +682,58 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _tokenize(vocab: ctypes.c_void_p, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    data = text.encode("utf-8")
+    cap = len(data) + 16
+    buf = (llama_cpp.llama_token * cap)()
+    n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    if n < 0:
+        cap = -n
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, cap, add_special, parse_special)
+    return list(buf[:n])
+
+
+def _piece(vocab: ctypes.c_void_p, token: int, special: bool) -> bytes:
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_token_to_piece(vocab, token, buf, 64, 0, special)
+    if n < 0:
+        buf = ctypes.create_string_buffer(-n)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, -n, 0, special)
+    return buf.raw[:n]
+
+
+class Vocabulary:
+    """A model's tokenizer alone (llama.cpp's vocab_only load: no weights, no context), for
+    /tokenize and /detokenize: it stays when the model is unloaded after keep_alive, and HTTP
+    handlers use it without the worker thread (llama.cpp's tokenizer only reads the vocabulary,
+    as llama-server's handler threads use it)."""
+
+    def __init__(self, path: str | Path) -> None:
+        _init_backend()
+        mp = llama_cpp.llama_model_default_params()
+        mp.vocab_only = True
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        if not self._model:
+            raise ModelError(f"llama.cpp could not read the vocabulary of {path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self._vocab)
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return _tokenize(self._vocab, text, add_special, parse_special)
+
+    def piece(self, token: int) -> bytes:
+        """What a token writes, as llama-server's /tokenize and /detokenize show it (special
+        tokens by their text)."""
+        return _piece(self._vocab, token, True)
+
+    def close(self) -> None:
+        """Free the vocabulary (a daemon keeps it for its lifetime)."""
+        if self._model:
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
 
 
 class Slot:

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from homespec.serving import openai_api as oa
 from homespec.serving.daemon import Daemon
 from homespec.serving.middleware import ApiKeyAuth, BodyLimit, JsonOnly, SameOrigin, TrustedHost, trusted_hosts
-from homespec.serving.routes import admin, health, infill, ollama, openai
+from homespec.serving.routes import admin, health, infill, ollama, openai, tokens
 from homespec.serving.routes.common import error_response, validation_error
 
 log = logging.getLogger("homespec.serving.app")
@@ -56,6 +56,7 @@ def create_app(daemon: Daemon, api_key: str | None = None, address: str = "") ->
     app.include_router(openai.router)
     app.include_router(admin.router)
     app.include_router(infill.router)  # llama.cpp's /infill, for editor plugins
+    app.include_router(tokens.router)  # llama.cpp's /tokenize and /detokenize
     app.include_router(ollama.router)  # Ollama's /api/*, for apps that speak only Ollama
     return app
 

@@ -28,6 +28,7 @@ from homespec import __version__
 from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
+from homespec.llama.runtime import Vocabulary
 from homespec.models.fetch import resolve_model_path, state_dir
 from homespec.models.loader import ModelSet
 from homespec.models.memory import LoadPlan, kv_cells, pair_footprints, plan_load, read_headroom
@@ -147,6 +148,8 @@ class Daemon:
         # keep_alive): requests with tools need its call format before they queue.
         self.template_source: str | None = None
         self.can_infill: bool | None = None  # the target has FIM tokens (None: not loaded yet)
+        self._vocabulary: Vocabulary | None = None  # the target's tokenizer alone (vocabulary())
+        self._vocabulary_lock = threading.Lock()
         self.cold_loads = 0
         self.memory_events: collections.deque[str] = collections.deque(maxlen=20)
         self._queue: collections.deque[Job] = collections.deque()
@@ -221,6 +224,14 @@ class Daemon:
         """Tokens of context a request gets: the load plan's (memory may have shrunk the
         configured one), else the config's."""
         return self.plan.n_ctx if self.plan else self.cfg.runtime.n_ctx
+
+    def vocabulary(self) -> Vocabulary:
+        """The target's tokenizer, read on first use (/tokenize, /detokenize) and kept: it does
+        not wait for the worker and stays when the model is unloaded after keep_alive."""
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(resolve_model_path(self.cfg, self.cfg.models.target))
+            return self._vocabulary
 
     def healthy(self, stall_s: float = 120.0) -> bool:
         """For the systemd watchdog: the worker lives and makes progress. A prefill chunk of 512
