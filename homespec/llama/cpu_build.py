@@ -262,7 +262,8 @@ def require_matching_build() -> None:
                          f"(it would crash): rebuild it for this machine with `make install`")
     if options is not None and any(options.get(k) for k in AMX_OPTIONS) and AMX_FIX not in read_fixes(folder):
         raise ModelError(f"llama.cpp in {folder} was built with its AMX kernels but without homespec's fix for them "
-                         f"(they crash with SIGILL): rebuild it with `make install`")
+                         f"(they crash with SIGILL): rebuild it with `make install` (`HOMESPEC_AMX=on make install` "
+                         f"to keep them)")
 
 
 def build_wheel(version: str, dest: Path) -> None:
