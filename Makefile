@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
 # llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time). It is
 # built for the CPU it runs on: homespec/llama/cpu_build.py reads /proc/cpuinfo and names every x86
-# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX only with HOMESPEC_AMX=on and a passing
-# tile check), and fixes one line of llama.cpp's AMX code that GCC 12 miscompiles (its `fixes`).
+# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX where a tile check passes, unless
+# HOMESPEC_AMX=off), and fixes llama.cpp's AMX code before building it (its `fixes`: a line GCC 12
+# miscompiles, and Q6_K weights kept out of AMX, where they decode slower).
 # The wheel is kept in a folder named after the version, the options and the fixes, never in pip's
 # cache, which is keyed by version only and would hand a wheel built for one CPU to another that
 # lacks its instructions.

@@ -23,8 +23,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"flags:    {' '.join(f for f in wanted if f in flags) or '(none of the x86 SIMD flags llama.cpp uses)'}")
     if "amx_tile" in flags and not args.no_amx_check:
         tiles = "tiles work (the check ran)" if cb.amx_works() else "advertised, but the tile check failed"
-        use = ("HOMESPEC_AMX=on: built in when the check passes" if cb.amx_wanted()
-               else "left out (they read prompts faster but decode slower); HOMESPEC_AMX=on builds them")
+        use = ("built in when the check passes; HOMESPEC_AMX=off leaves them out" if cb.amx_wanted()
+               else "left out (HOMESPEC_AMX=off); without it `make install` builds them")
         print(f"amx:      {tiles}; {use}")
     print(f"memory:   {_huge_pages()}")
     folder = cb.installed_package_dir()

@@ -10,17 +10,22 @@ exactly the kernels they allow, builds the wheel into a cache folder named after
 (`key`), and records the set next to the installed package (`write_stamp`); the daemon compares
 the record with /proc/cpuinfo before llama.cpp is loaded (`require_matching_build`).
 
-AMX: HOMESPEC_AMX=on builds llama.cpp's AMX kernels where the CPU advertises them and a check
-proves the tiles work here (a few lines of C that ask the kernel for the tile state, load a tile
-configuration and zero a tile). Built as llama.cpp ships them with Debian's GCC 12, they died with
-SIGILL at `tilezero` on the first eval (gdb, 2026-12-01): GCC 12's `_tile_loadconfig`
-(amxtileintrin.h) tells the compiler that it reads 8 bytes of the configuration, so GCC drops the
-stores of the tiles' rows and columns as dead, and `ldtilecfg` loads a configuration with no
-tiles (read in the compiled code, 2026-12-05). `fix_source` rewrites that one call before every
-build, the wheel's and the bench's peer's, and the stamp records it: a build with AMX kernels and
-without the fix is refused. They stay opt-in because on a 2-core Xeon VM (2026-12-05, same-run
-ratios) they read a 512-token prompt 1.3-1.7x faster but decoded one token 5-20 % slower, and
-decoding is most of an answer's time (README, "The llama.cpp build").
+AMX: the build has llama.cpp's AMX kernels where the CPU advertises them and a check proves the
+tiles work here (a few lines of C that ask the kernel for the tile state, load a tile
+configuration and zero a tile); HOMESPEC_AMX=off leaves them out. Built as llama.cpp ships them
+with Debian's GCC 12, they died with SIGILL at `tilezero` on the first eval (gdb, 2026-12-01):
+GCC 12's `_tile_loadconfig` (amxtileintrin.h) tells the compiler that it reads 8 bytes of the
+configuration, so GCC drops the stores of the tiles' rows and columns as dead, and `ldtilecfg`
+loads a configuration with no tiles (read in the compiled code, 2026-12-05). `fix_source`
+rewrites that one call before every build, the wheel's and the bench's peer's, and the stamp
+records it: a build with AMX kernels and without the fix is refused.
+As llama.cpp places weights, AMX read a 512-token prompt 1.3-1.7x faster on a 2-core Xeon VM but
+decoded one token 5-20 % slower (2026-12-05). The slow part is its Q6_K weights (the output
+layer, half of ffn_down and attn_v in a Q4_K_M file): a one-row product over AMX's tile layout
+runs a VNNI kernel slower than the plain Q6_K one. A second fix keeps Q6_K out of the AMX
+buffer; with it, in one process per placement taking turns, prompts read as fast as with all of
+AMX and one-token steps as fast as without it (README, "The llama.cpp build"), so AMX is on by
+default.
 
 This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
 it imports nothing but the standard library.
@@ -64,11 +69,19 @@ STAMP_NAME = "homespec-cpu-build.json"
 # Changes made to llama.cpp's source before it is built: (name, file in the llama.cpp tree, text,
 # replacement). The names go into the build's cache key and its stamp.
 AMX_FIX = "amx-tile-config"
+AMX_Q6K_FIX = "amx-q6k-outside"
 SOURCE_FIXES: tuple[tuple[str, str, str, str], ...] = (
     # The whole 64-byte configuration as the operand, so its stores stay (module docstring).
     (AMX_FIX, "ggml/src/ggml-cpu/amx/mmq.cpp",
      "    _tile_loadconfig(&tc);\n",
      "    __asm__ volatile (\"ldtilecfg %0\" :: \"m\" (tc));  // homespec: GCC 12 drops the stores for _tile_loadconfig\n"),
+    # Q6_K weights (the output layer, half of ffn_down and attn_v in a Q4_K_M file) stay out of
+    # the AMX buffer: there a one-row product runs a VNNI kernel over the tile layout that
+    # decodes slower than the plain Q6_K kernel, and the output layer reads one row in a prefill
+    # anyway (module docstring).
+    (AMX_Q6K_FIX, "ggml/src/ggml-cpu/amx/amx.cpp",
+     "            case GGML_TYPE_Q6_K:\n            case GGML_TYPE_IQ4_XS:\n",
+     "            case GGML_TYPE_IQ4_XS:  // homespec: no GGML_TYPE_Q6_K, it decodes faster outside AMX\n"),
 )
 
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile
@@ -166,13 +179,13 @@ def this_cpu_options() -> dict[str, bool]:
 
 
 def amx_wanted(environ: dict[str, str] | None = None) -> bool:
-    """HOMESPEC_AMX=on asks for llama.cpp's AMX kernels (built where the tiles work); they are left
-    out by default: they read prompts faster and decode slower (module docstring)."""
-    return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "off").lower() == "on"
+    """llama.cpp's AMX kernels are built where the tiles work unless HOMESPEC_AMX=off leaves them
+    out (module docstring: they read prompts faster and, with Q6_K outside them, decode as fast)."""
+    return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "on").lower() != "off"
 
 
 def _amx_here(flags: set[str]) -> bool:
-    """AMX only when asked for, advertised, and the tile check runs here."""
+    """AMX only when wanted, advertised, and the tile check runs here."""
     return "amx_tile" in flags and amx_wanted() and amx_works()
 
 
@@ -262,8 +275,8 @@ def require_matching_build() -> None:
                          f"(it would crash): rebuild it for this machine with `make install`")
     if options is not None and any(options.get(k) for k in AMX_OPTIONS) and AMX_FIX not in read_fixes(folder):
         raise ModelError(f"llama.cpp in {folder} was built with its AMX kernels but without homespec's fix for them "
-                         f"(they crash with SIGILL): rebuild it with `make install` (`HOMESPEC_AMX=on make install` "
-                         f"to keep them)")
+                         f"(they crash with SIGILL): rebuild it with `make install` (`HOMESPEC_AMX=off make install` "
+                         f"leaves them out)")
 
 
 def build_wheel(version: str, dest: Path) -> None:

@@ -28,19 +28,20 @@ def test_an_avx512_cpu_gets_the_avx512_kernels_and_amx_only_when_the_check_passe
     assert all(cb.choose(XEON_AMX, amx=True)[k] for k in cb.AMX_OPTIONS)
 
 
-def test_amx_is_left_out_unless_asked_for_because_it_decodes_slower() -> None:
-    assert not cb.amx_wanted({}) and not cb.amx_wanted({"HOMESPEC_AMX": "off"}) and not cb.amx_wanted({"HOMESPEC_AMX": "auto"})
-    assert cb.amx_wanted({"HOMESPEC_AMX": "on"}) and cb.amx_wanted({"HOMESPEC_AMX": "ON"})
+def test_amx_is_built_by_default_and_left_out_only_when_turned_off() -> None:
+    assert cb.amx_wanted({}) and cb.amx_wanted({"HOMESPEC_AMX": "on"}) and cb.amx_wanted({"HOMESPEC_AMX": "auto"})
+    assert not cb.amx_wanted({"HOMESPEC_AMX": "off"}) and not cb.amx_wanted({"HOMESPEC_AMX": "OFF"})
 
 
-def test_asked_for_amx_comes_only_where_the_tile_check_passes(monkeypatch) -> None:
+def test_amx_comes_only_where_the_tile_check_passes_and_not_when_turned_off(monkeypatch) -> None:
     monkeypatch.setattr(cb.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
     monkeypatch.setattr(cb, "amx_works", lambda cc=None: True)
     monkeypatch.delenv("HOMESPEC_AMX", raising=False)
-    assert not any(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
-    monkeypatch.setenv("HOMESPEC_AMX", "on")
     assert all(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
+    monkeypatch.setenv("HOMESPEC_AMX", "off")
+    assert not any(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
+    monkeypatch.delenv("HOMESPEC_AMX")
     monkeypatch.setattr(cb, "amx_works", lambda cc=None: False)  # advertised, but the kernel refuses the tiles
     options = cb.this_cpu_options()
     assert not any(options[k] for k in cb.AMX_OPTIONS) and options["GGML_AVX512_VNNI"]
@@ -138,7 +139,7 @@ def test_the_runtime_refuses_a_build_with_amx_kernels_but_without_the_tile_confi
     with pytest.raises(ModelError, match="AMX kernels but without"):
         cb.require_matching_build()
     cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=True))
-    assert cb.read_fixes(tmp_path) == [cb.AMX_FIX]
+    assert cb.read_fixes(tmp_path) == cb.fix_names() and cb.AMX_FIX in cb.fix_names()
     cb.require_matching_build()
     cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=False), fixes=[])  # no AMX kernels: nothing to fix
     cb.require_matching_build()
@@ -153,27 +154,44 @@ MMQ_INIT = """inline void ggml_tile_config_init(void) {
 """
 
 
-def _llama_tree(root: Path, mmq: str) -> Path:
-    path = root / "ggml/src/ggml-cpu/amx/mmq.cpp"
-    path.parent.mkdir(parents=True)
-    path.write_text(mmq)
+# The lines of ggml-cpu/amx/amx.cpp's supports_op that say which weight types AMX takes.
+AMX_TYPES = """            case GGML_TYPE_Q4_K:
+            case GGML_TYPE_Q5_K:
+            case GGML_TYPE_Q6_K:
+            case GGML_TYPE_IQ4_XS:
+                alignment = 256; // QK_K
+                break;
+"""
+
+
+def _llama_tree(root: Path, mmq: str = MMQ_INIT, amx: str = AMX_TYPES) -> Path:
+    for name, text in (("mmq.cpp", mmq), ("amx.cpp", amx)):
+        path = root / "ggml/src/ggml-cpu/amx" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     return root
 
 
-def test_the_fix_replaces_the_tile_config_load_once_and_a_second_run_changes_nothing(tmp_path: Path) -> None:
-    tree = _llama_tree(tmp_path, MMQ_INIT)
-    assert cb.fix_source(tree) == ["amx-tile-config"]
-    fixed = (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text()
-    assert "_tile_loadconfig(&tc)" not in fixed and '"ldtilecfg %0" :: "m" (tc)' in fixed
-    assert cb.fix_source(tree) == ["amx-tile-config"]
-    assert (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text() == fixed
+def test_the_fixes_apply_once_and_a_second_run_changes_nothing(tmp_path: Path) -> None:
+    tree = _llama_tree(tmp_path)
+    assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]
+    mmq, amx = (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text(), (tree / "ggml/src/ggml-cpu/amx/amx.cpp").read_text()
+    assert "_tile_loadconfig(&tc)" not in mmq and '"ldtilecfg %0" :: "m" (tc)' in mmq
+    cases = [line.split("//")[0].strip() for line in amx.splitlines() if line.strip().startswith("case ")]
+    assert cases == ["case GGML_TYPE_Q4_K:", "case GGML_TYPE_Q5_K:", "case GGML_TYPE_IQ4_XS:"]  # Q6_K no longer AMX's
+    assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]
+    assert (tree / "ggml/src/ggml-cpu/amx/mmq.cpp").read_text() == mmq
+    assert (tree / "ggml/src/ggml-cpu/amx/amx.cpp").read_text() == amx
 
 
-def test_a_source_without_the_line_to_fix_is_refused_not_built_unfixed(tmp_path: Path) -> None:
+def test_a_source_without_the_lines_to_fix_is_refused_not_built_unfixed(tmp_path: Path) -> None:
     import pytest
 
-    tree = _llama_tree(tmp_path, MMQ_INIT.replace("_tile_loadconfig(&tc);", "load_config(&tc);"))
+    tree = _llama_tree(tmp_path / "a", mmq=MMQ_INIT.replace("_tile_loadconfig(&tc);", "load_config(&tc);"))
     with pytest.raises(RuntimeError, match="amx-tile-config"):
+        cb.fix_source(tree)
+    tree = _llama_tree(tmp_path / "b", amx=AMX_TYPES.replace("Q6_K", "Q3_K"))
+    with pytest.raises(RuntimeError, match="amx-q6k-outside"):
         cb.fix_source(tree)
 
 
