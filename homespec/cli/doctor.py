@@ -21,8 +21,11 @@ def main(args: argparse.Namespace) -> int:
     wanted = sorted({f for needs in cb.OPTIONS.values() for f in needs})
     print(f"cpu:      {_cpu_model()}")
     print(f"flags:    {' '.join(f for f in wanted if f in flags) or '(none of the x86 SIMD flags llama.cpp uses)'}")
+    amx = False  # AMX kernels would be built here (`make install`)
     if "amx_tile" in flags and not args.no_amx_check:
-        tiles = "tiles work (the check ran)" if cb.amx_works() else "advertised, but the tile check failed"
+        works = cb.amx_works()
+        amx = works and cb.amx_wanted()
+        tiles = "tiles work (the check ran)" if works else "advertised, but the tile check failed"
         use = ("built in when the check passes; HOMESPEC_AMX=off leaves them out" if cb.amx_wanted()
                else "left out (HOMESPEC_AMX=off); without it `make install` builds them")
         print(f"amx:      {tiles}; {use}")
@@ -35,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(f"build:    {cb.key(options)}; source fixes: {', '.join(cb.read_fixes(folder)) or 'none'}")
         missing = cb.missing_flags(options, flags)
-        better = sorted(k for k, v in cb.choose(flags).items() if v and not options.get(k))
+        better = sorted(k for k, v in cb.choose(flags, amx).items() if v and not options.get(k))
         if missing:
             print(f"mismatch: built for {', '.join(missing)}, which this CPU lacks: run `make install` to rebuild")
             return 1  # loading llama.cpp now could crash the process (SIGILL)

@@ -111,6 +111,22 @@ def test_doctor_refuses_to_load_a_build_this_cpu_cannot_run(monkeypatch, tmp_pat
     assert "mismatch" in out and "avx512f" in out and "make install" in out
 
 
+def test_doctor_suggests_rebuilding_a_build_without_amx_where_the_tiles_work(monkeypatch, tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from homespec.cli import doctor
+
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX))  # built before AMX was on by default
+    monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
+    monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
+    monkeypatch.delenv("HOMESPEC_AMX", raising=False)
+    for works in (True, False):
+        monkeypatch.setattr(cb, "amx_works", lambda cc=None, works=works: works)
+        assert doctor.main(argparse.Namespace(no_amx_check=False)) == 0
+        match = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("match:"))
+        assert ("GGML_AMX_INT8" in match and "make install" in match) == works, match
+
+
 def test_the_runtime_refuses_a_build_for_another_cpu_before_loading_it(monkeypatch, tmp_path: Path) -> None:
     import pytest
 
