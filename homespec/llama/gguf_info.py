@@ -69,6 +69,7 @@ class GGUFInfo:
     # The input embedding and output matrices (the memory plan places them apart from the layers).
     token_embd_bytes: int | None = None  # bytes of token_embd.weight; None when the file has none
     output_bytes: int | None = None  # bytes of output.weight; 0 when tied to token_embd (absent)
+    matrix_types: frozenset[str] = frozenset()  # ggml type names of the tensors of 2+ dimensions ("Q4_K", ...)
 
     def kv_bytes_per_token(self, kv_type: KvType = "f16") -> int:
         """KV-cache bytes one token costs: K and V, all layers, in the cache's element type."""
@@ -233,6 +234,12 @@ def _tensor_sizes(h: _Header) -> dict[str, int]:
     return sizes_by_name
 
 
+def _matrix_types(h: _Header) -> frozenset[str]:
+    from gguf.constants import GGMLQuantizationType
+
+    return frozenset(GGMLQuantizationType(t).name for _, dims, t, _ in h.tensors if sum(d > 1 for d in dims) >= 2)
+
+
 def _info_from(h: _Header) -> GGUFInfo:
     kv = h.kv
 
@@ -287,6 +294,7 @@ def _info_from(h: _Header) -> GGUFInfo:
         token_embd_bytes=embd,
         # No output.weight: llama.cpp ties the output to token_embd (the plan copies it then).
         output_bytes=sizes.get("output.weight", 0) if embd is not None else None,
+        matrix_types=_matrix_types(h),
     )
 
 

@@ -42,13 +42,30 @@ on, llama.cpp's default, with a switch (`runtime.tiled_matmul`) for other CPUs. 
 it most: with weights not repacked, prefill ran at 30-33 tokens/s without it and 61 with it.
 ggml reads GGML_CPU_TILED_MM once per process, at the first matrix product, so the first model
 loaded decides it for all (`fix_tiled_matmul`).
+
+On a CPU with AMX (and a build with its kernels, cpu_build.py) exact mode keeps the weights that
+AMX takes. A Q4_K product there runs one row through AMX's VNNI kernel and 2+ rows through its
+tiles: both sum int8 products exactly in int32 and scale them in the same order, so a row comes
+out the same in any pass. The Q6_K weights stay in the plain buffer (cpu_build's
+amx-q6k-outside), where x86 has no repacked layout: a dot product per row. Measured on the
+2-core Xeon with AMX (flash attention, q8_0 cache, a stream per sequence; 4 prompts, one past
+256 tokens, 17 positions each): max |Δlogit| 0 at 2, 3, 5 and 7 rows, 0.50-0.69 at 8+ rows with
+the tiled matmul (the Q6_K weights), 0 at 8-17 rows without it. Without it prompts read ~20 %
+slower, so the 7-row limit stays and what changes is the price: a process each, taking turns,
+3 rounds, medians at 300 tokens of context: one-token passes 75 ms against 84 unpacked, 5 rows
+156 against 228, 7 rows 182 against 281 (the default mode: 71, 143, 170). This holds only where
+every matrix of the file is Q4_K or Q6_K (the types measured; a Q4_K_M file) and llama.cpp put
+none of them in its CPU_REPACK buffer, whose gemm and gemv kernels round differently
+(`exact_keeps_amx`, `batch_invariant_buffers`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import threading
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 TILED_ENV = "GGML_CPU_TILED_MM"  # ggml-cpu/tiled/tiled.cpp: "0" turns the tiled matmul off
@@ -57,6 +74,10 @@ TILED_MIN_ROWS = 8  # tiled.cpp ggml_tiled_min_batch: passes of this many rows o
 # matmul, whether on or off, never computes a decode row.
 EXACT_MAX_ROWS = TILED_MIN_ROWS - 1
 EXACT_KV_TYPE: Final = "q8_0"  # no split-KV softmax for one-token passes (f16/f32 caches only)
+# The matrix types whose rows were measured batch-invariant with AMX's buffer in use (docstring).
+AMX_EXACT_TYPES: Final = frozenset({"Q4_K", "Q6_K"})
+AMX_BUFFER: Final = "AMX"  # llama.cpp's name of the buffer type (its "AMX model buffer size" line)
+REPACK_BUFFER: Final = "CPU_REPACK"  # the repacked layouts (gemm for rows 4 at a time, gemv for the rest)
 
 _lock = threading.Lock()
 _fixed: bool | None = None  # what this process set, once
@@ -85,3 +106,57 @@ def _atoi(text: str) -> int:
     """C's atoi: optional space and sign, then the leading digits; 0 when there are none."""
     m = re.match(r"\s*([+-]?\d+)", text)
     return int(m.group(1)) if m else 0
+
+
+def exact_keeps_amx(matrix_types: Iterable[str], amx: bool) -> bool:
+    """Whether exact mode may load a target whose matrices have these ggml types with llama.cpp's
+    extra buffers on: where AMX's buffer is in use (`amx`: `amx_buffer_available`) and every
+    type is one measured batch-invariant there (docstring)."""
+    types = frozenset(matrix_types)
+    return amx and bool(types) and types <= AMX_EXACT_TYPES
+
+
+def batch_invariant_buffers(weight_buffers: Mapping[str, float]) -> bool:
+    """Whether the weights llama.cpp loaded (MiB by buffer type, Runtime.weight_buffers) lie only
+    where a row does not depend on its pass: none in the repacked CPU layouts."""
+    return REPACK_BUFFER not in weight_buffers
+
+
+_amx: bool | None = None
+
+
+def amx_buffer_available() -> bool:
+    """Whether this process's llama.cpp puts weights in AMX's buffer: built with AMX kernels, and
+    the kernel granted the tile state (ggml_amx_init; without it ggml leaves the buffer type out
+    of the CPU device's extra buffer types). Needs llama.cpp's backend initialised."""
+    global _amx
+    if _amx is None:
+        _amx = AMX_BUFFER in _cpu_extra_buffer_types()
+    return _amx
+
+
+def _cpu_extra_buffer_types() -> list[str]:
+    # The CPU device's own list, reached as llama.cpp reaches it (ggml_backend_reg_get_proc_address):
+    # llama-cpp-python binds none of these functions.
+    from llama_cpp._ggml import libggml  # libggml-base's symbols resolve through it (its dependency)
+
+    libggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    libggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    libggml.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    libggml.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    libggml.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    libggml.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    libggml.ggml_backend_buft_name.restype = ctypes.c_char_p
+    libggml.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    dev = libggml.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev:
+        return []
+    address = libggml.ggml_backend_reg_get_proc_address(libggml.ggml_backend_dev_backend_reg(dev), b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return []
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)(dev)  # NULL-terminated
+    names, i = [], 0
+    while bufts and bufts[i]:
+        names.append(libggml.ggml_backend_buft_name(bufts[i]).decode())
+        i += 1
+    return names

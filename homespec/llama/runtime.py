@@ -39,6 +39,7 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -121,11 +122,35 @@ def llama_log_level(level: int, msg: str) -> int:
     return {3: logging.WARNING, 4: logging.ERROR}.get(level, logging.DEBUG)
 
 
+_load_lock = threading.Lock()  # one model load at a time, so that _load_log holds its messages only
+_load_log: list[str] | None = None  # llama.cpp's messages while a model loads (Runtime.__init__)
+_WEIGHT_BUFFER = re.compile(r"(\S+) model buffer size = +([\d.]+) MiB")
+
+
 @llama_cpp.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
     msg = text.decode("utf-8", "replace").rstrip()
     if msg:
+        if _load_log is not None:
+            _load_log.append(msg)
         _llama_log.log(llama_log_level(level, msg), msg)
+
+
+def _load_model(path: Path, mp: llama_cpp.llama_model_params) -> tuple[Any, dict[str, float]]:
+    """llama_model_load_from_file, and where llama.cpp put the weights: MiB by buffer type, as
+    its load reports them ("AMX model buffer size = 613.2 MiB"); llama.cpp has no call for it."""
+    global _load_log
+    with _load_lock:
+        _load_log = []
+        try:
+            model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+            lines = _load_log
+        finally:
+            _load_log = None
+    buffers: dict[str, float] = {}
+    for m in filter(None, map(_WEIGHT_BUFFER.search, lines)):
+        buffers[m.group(1)] = buffers.get(m.group(1), 0.0) + float(m.group(2))
+    return model, buffers
 
 
 def _init_backend() -> None:
@@ -207,7 +232,7 @@ class Runtime:
             (False, True): llama_cpp.LLAMA_LOAD_MODE_MLOCK,
             (False, False): llama_cpp.LLAMA_LOAD_MODE_NONE,
         }[(opts.use_mmap, opts.use_mlock)]
-        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        self._model, self.weight_buffers = _load_model(self.path, mp)  # MiB by llama.cpp buffer type
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
         # Speculation rolls rejected tokens back out of the cache (truncate); a recurrent state
@@ -656,7 +681,8 @@ class Runtime:
         return {"model": str(self.path.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "llama_cpp": llama_cpp.__version__, "build": read_stamp(pkg) if pkg is not None else None,
                 "kv_type": self.opts.kv_type, "flash_attn": self.opts.flash_attn, "repack": self.opts.repack,
-                "n_gpu_layers": self.opts.n_gpu_layers, "tiled_matmul": tiled_matmul_in_effect()}
+                "n_gpu_layers": self.opts.n_gpu_layers, "tiled_matmul": tiled_matmul_in_effect(),
+                "weight_buffers": sorted(self.weight_buffers)}  # AMX's, or the repacked layouts', or neither
 
     # -- lifetime -----------------------------------------------------------------------------
 

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from homespec.config import Config
+from homespec.llama import kernels
 from homespec.llama.fim import Chunk, infill_prompt
-from homespec.llama.gguf_info import check_tokenizer_compat
+from homespec.llama.gguf_info import check_tokenizer_compat, read_gguf_info
 from homespec.llama.runtime import Runtime, RuntimeOptions
 from homespec.llama.template import ChatTemplate
 from homespec.models.fetch import resolve_model_path
@@ -106,10 +107,11 @@ class ModelSet:
 
 def runtime_options(
     cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0,
-    slots: int = 1, draft: bool = False,
+    slots: int = 1, draft: bool = False, keep_amx: bool = False,
 ) -> RuntimeOptions:
     """The options of the target, or with `draft` of the draft model: exact mode changes the
-    target's kernels only, since a proposal need not be batch-invariant to be verified exactly."""
+    target's kernels only, since a proposal need not be batch-invariant to be verified exactly.
+    keep_amx: exact mode keeps llama.cpp's extra buffers, for AMX's (llama/kernels.py)."""
     r = cfg.runtime
     if draft and r.exact:
         r = r.model_copy(update={"exact": False})
@@ -125,11 +127,33 @@ def runtime_options(
         flash_attn=r.flash_attn_for(n_gpu_layers),
         n_seq=slots,
         # Exact mode: the settings under which a row's logits do not depend on its batch.
-        repack=not r.exact,
+        repack=not r.exact or keep_amx,
         kv_type=r.kv_type,
         kv_unified=r.kv_unified,
         tiled_matmul=r.tiled_matmul,
     )
+
+
+def open_target(cfg: Config, path: Path, n_ctx: int | None = None, window: int = 0, slots: int = 1,
+                amx: bool = True) -> Runtime:
+    """The target with the configured options. In exact mode on a CPU with AMX, with AMX's buffer
+    where the file's matrix types keep a row's logits independent of its pass (llama/kernels.py),
+    else, or if llama.cpp put any weight in its repacked layouts after all, unpacked (amx=False:
+    unpacked in any case, to compare)."""
+    n_gpu = cfg.models.target.n_gpu_layers
+    keep_amx = (amx and cfg.runtime.exact and n_gpu == 0
+                and kernels.exact_keeps_amx(read_gguf_info(path).matrix_types, kernels.amx_buffer_available()))
+    target = Runtime(path, runtime_options(cfg, n_gpu, n_ctx, hidden_window=window, slots=slots, keep_amx=keep_amx))
+    if keep_amx and not kernels.batch_invariant_buffers(target.weight_buffers):
+        log.warning("exact mode: llama.cpp put weights of %s in repacked layouts (%s); loading it again unpacked",
+                    path.name, _buffers(target.weight_buffers))
+        target.close()
+        target = Runtime(path, runtime_options(cfg, n_gpu, n_ctx, hidden_window=window, slots=slots))
+    return target
+
+
+def _buffers(weight_buffers: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {mib:.0f} MiB" for name, mib in weight_buffers.items()) or "none reported"
 
 
 def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = None, slots: int = 1) -> ModelSet:
@@ -143,7 +167,7 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
     mtp_path = cfg.resolve(cfg.models.mtp) if cfg.models.mtp else None
     # The head attends over the target's last `window` hidden states: the target must keep them.
     window = head_window(mtp_path) if mtp_path else 0  # reads the header only: no torch yet
-    target = Runtime(target_path, runtime_options(cfg, cfg.models.target.n_gpu_layers, n_ctx, hidden_window=window, slots=slots))
+    target = open_target(cfg, target_path, n_ctx, window, slots)
     head = None
     if mtp_path:
         try:
@@ -171,8 +195,8 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
         target.n_threads,
     )
     o = target.opts
-    log.info("llama.cpp kernels: %s weights, tiled matmul %s, %s KV cache%s%s", "repacked" if o.repack else "unpacked",
-             "on" if target.tiled_matmul else "off", o.kv_type,
+    log.info("llama.cpp kernels: %s weights (%s), tiled matmul %s, %s KV cache%s%s", "repacked" if o.repack else "unpacked",
+             _buffers(target.weight_buffers), "on" if target.tiled_matmul else "off", o.kv_type,
              ("" if slots == 1 else " in one buffer" if o.kv_unified else ", a stream per slot"),
              ", exact mode (batch-invariant rows)" if cfg.runtime.exact else "")
     return ms

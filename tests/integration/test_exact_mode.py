@@ -9,9 +9,9 @@ import pytest
 
 from homespec.config import Config
 from homespec.llama.gguf_info import read_gguf_info
-from homespec.llama.kernels import EXACT_MAX_ROWS
+from homespec.llama.kernels import EXACT_MAX_ROWS, amx_buffer_available
 from homespec.llama.runtime import Runtime
-from homespec.models.loader import runtime_options
+from homespec.models.loader import open_target, runtime_options
 from homespec.models.memory import kv_cells
 from homespec.serving.daemon import Daemon
 from homespec.speculation.batch import Batch
@@ -32,11 +32,23 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def exact_rt():
-    cfg = Config()
+# Exact mode's two ways to load the target: every weight unpacked (any CPU), and AMX's buffer
+# kept, as the daemon loads it where AMX is in use (llama/kernels.py).
+KERNELS = ["unpacked", "amx"]
+
+
+def open_exact(kernels: str, cfg: Config, n_ctx: int, slots: int = 1) -> Runtime:
+    if kernels == "amx" and not amx_buffer_available():
+        pytest.skip("no AMX here (CPU or llama.cpp build): exact mode loads the target unpacked")
     cfg.runtime.exact = True
-    rt = Runtime(require(TARGET), runtime_options(cfg, 0, n_ctx=1024))
+    rt = open_target(cfg, require(TARGET), n_ctx, slots=slots, amx=kernels == "amx")
+    assert ("AMX" in rt.weight_buffers) == (kernels == "amx") and "CPU_REPACK" not in rt.weight_buffers, rt.weight_buffers
+    return rt
+
+
+@pytest.fixture(scope="module", params=KERNELS)
+def exact_rt(request):
+    rt = open_exact(request.param, Config(), 1024)
     yield rt
     rt.close()
 
@@ -74,6 +86,9 @@ def test_an_exact_mode_host_verifies_at_most_seven_rows_a_pass_and_matches_plain
                  runtime=RuntimeConfig(n_ctx=1024, exact=True), base_dir=ROOT)
     with Host.open(cfg, calibrate=False, with_draft=False) as s:
         assert s.controller.k_max == EXACT_MAX_ROWS - 1
+        # Where AMX is in use the daemon keeps its buffer for the target, and no repacked layout.
+        assert ("AMX" in s.models.target.weight_buffers) == amx_buffer_available()
+        assert "CPU_REPACK" not in s.models.target.weight_buffers
         rows: list[int] = []
         eval_ = s.models.target.eval
 
@@ -126,12 +141,12 @@ def test_the_daemons_memory_plan_gives_exact_mode_the_smaller_q8_0_cache():
         assert d.footprints[0].kv == cells * info.kv_bytes_per_token(kv_type), kv_type  # bytes
 
 
-@pytest.fixture(scope="module")
-def exact_slots():
+@pytest.fixture(scope="module", params=KERNELS)
+def exact_slots(request):
     cfg = Config()
     cfg.runtime.exact = True
     cfg.runtime.n_batch = 64  # prompts longer than this are read in chunks, between decode rounds
-    target = Runtime(require(TARGET), runtime_options(cfg, 0, n_ctx=768, slots=4))
+    target = open_exact(request.param, cfg, 768, slots=4)
     draft = Runtime(require(DRAFT), runtime_options(cfg, 0, n_ctx=768, slots=4, draft=True))
     yield target, draft
     target.close()

@@ -87,6 +87,9 @@ def test_read_gguf_info_reports_architecture_shapes_and_tokenizer(tmp_path: Path
 def test_read_gguf_info_measures_token_embd_and_output_from_the_tensor_table(tmp_path: Path) -> None:
     info = read_gguf_info(write_gguf(tmp_path / "tiny.gguf", output=True))
     assert (info.token_embd_bytes, info.output_bytes, info.tensor_bytes) == (1024, 256, 1024 + 128 + 256)
+    # Matrices only (the F16 output layer, the F32 embedding); a norm's vector is no matrix.
+    assert info.matrix_types == {"F16", "F32"}
+    assert read_gguf_info(write_gguf(tmp_path / "tied.gguf")).matrix_types == {"F32"}
 
 
 def test_info_defaults_kv_heads_to_heads_and_name_to_file_stem(tmp_path: Path) -> None:

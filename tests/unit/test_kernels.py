@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from homespec.config import Config
 from homespec.llama import kernels
-from homespec.llama.kernels import EXACT_MAX_ROWS, TILED_ENV, TILED_MIN_ROWS
+from homespec.llama.kernels import EXACT_MAX_ROWS, TILED_ENV, TILED_MIN_ROWS, batch_invariant_buffers, exact_keeps_amx
+from homespec.models import loader
 from homespec.models.loader import runtime_options
 
 
@@ -62,3 +65,63 @@ def test_exact_mode_loads_the_target_unpacked_with_flash_attention_a_q8_kv_cache
     cfg.runtime.exact = False
     cfg.runtime.kv_unified = True  # one shared buffer, when asked for
     assert runtime_options(cfg, 0).kv_unified and runtime_options(cfg, 0, draft=True).kv_unified
+
+
+def test_exact_mode_keeps_amx_only_where_it_is_in_use_and_for_the_matrix_types_measured_there():
+    assert exact_keeps_amx({"Q4_K", "Q6_K"}, amx=True)  # a Q4_K_M file: the case measured
+    assert exact_keeps_amx({"Q4_K"}, amx=True)
+    assert not exact_keeps_amx({"Q4_K", "Q6_K"}, amx=False)  # no AMX: Q4_K would go to the repacked gemm/gemv
+    assert not exact_keeps_amx({"Q4_K", "Q6_K", "Q8_0"}, amx=True)  # the draft's file: Q8_0 not measured
+    assert not exact_keeps_amx({"Q4_1", "Q8_0"}, amx=True)
+    assert not exact_keeps_amx((), amx=True)
+
+
+def test_weights_in_llama_cpps_repacked_layouts_are_not_batch_invariant():
+    assert batch_invariant_buffers({"AMX": 613.1, "CPU_Mapped": 1059.9})
+    assert batch_invariant_buffers({"CPU_Mapped": 1059.9})
+    assert not batch_invariant_buffers({"AMX": 500.0, "CPU_REPACK": 113.1, "CPU_Mapped": 1059.9})
+
+
+def test_exact_mode_with_amx_keeps_the_extra_buffers_and_changes_nothing_else():
+    cfg = Config()
+    cfg.runtime.exact = True
+    amx = runtime_options(cfg, 0, keep_amx=True)
+    assert (amx.repack, amx.kv_type, amx.flash_attn, amx.kv_unified) == (True, "q8_0", True, False)
+    assert runtime_options(cfg, 0, keep_amx=False).repack is False
+
+
+class _Loaded:
+    """Stands in for Runtime: records the options, reports the buffers it is told to."""
+
+    def __init__(self, buffers: dict[str, float], opened: list):
+        self.buffers, self.opened = buffers, opened
+
+    def __call__(self, path, opts):
+        rt = SimpleNamespace(opts=opts, closed=False,
+                             weight_buffers=dict(self.buffers) if opts.repack else {"CPU_Mapped": 1060.0})
+        rt.close = lambda: setattr(rt, "closed", True)
+        self.opened.append(rt)
+        return rt
+
+
+@pytest.mark.parametrize(
+    "exact, amx, types, buffers, loads",
+    [
+        (True, True, {"Q4_K", "Q6_K"}, {"AMX": 613.1, "CPU_Mapped": 1060.0}, [True]),  # AMX kept
+        (True, True, {"Q4_K", "Q6_K"}, {"AMX": 500.0, "CPU_REPACK": 113.0}, [True, False]),  # some repacked: again unpacked
+        (True, False, {"Q4_K", "Q6_K"}, {}, [False]),  # no AMX here
+        (True, True, {"Q4_1", "Q8_0"}, {}, [False]),  # types not measured
+        (False, True, {"Q4_K", "Q6_K"}, {"AMX": 613.1}, [True]),  # the default mode repacks anyway
+    ],
+)
+def test_the_target_opens_with_amx_in_exact_mode_only_where_every_row_stays_batch_invariant(
+        monkeypatch, tmp_path, exact, amx, types, buffers, loads):
+    opened: list = []
+    monkeypatch.setattr(loader, "Runtime", _Loaded(buffers, opened))
+    monkeypatch.setattr(kernels, "amx_buffer_available", lambda: amx)
+    monkeypatch.setattr(loader, "read_gguf_info", lambda path: SimpleNamespace(matrix_types=frozenset(types)))
+    cfg = Config()
+    cfg.runtime.exact = exact
+    target = loader.open_target(cfg, tmp_path / "target.gguf")
+    assert [rt.opts.repack for rt in opened] == loads
+    assert target is opened[-1] and not target.closed and all(rt.closed for rt in opened[:-1])
