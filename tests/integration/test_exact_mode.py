@@ -42,6 +42,8 @@ def open_exact(kernels: str, cfg: Config, n_ctx: int, slots: int = 1) -> Runtime
         pytest.skip("no AMX here (CPU or llama.cpp build): exact mode loads the target unpacked")
     cfg.runtime.exact = True
     rt = open_target(cfg, require(TARGET), n_ctx, slots=slots, amx=kernels == "amx")
+    # llama.cpp reports every buffer it loads weights into (an empty record would pass anything).
+    assert rt.weight_buffers and sum(rt.weight_buffers.values()) > 900, rt.weight_buffers  # MiB; a ~1 GB file
     assert ("AMX" in rt.weight_buffers) == (kernels == "amx") and "CPU_REPACK" not in rt.weight_buffers, rt.weight_buffers
     return rt
 
