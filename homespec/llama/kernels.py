@@ -45,8 +45,8 @@ loaded decides it for all (`fix_tiled_matmul`).
 
 On a CPU with AMX (and a build with its kernels, cpu_build.py) exact mode keeps the weights that
 AMX takes. A Q4_K product there runs one row through AMX's VNNI kernel and 2+ rows through its
-tiles: both sum int8 products exactly in int32 and scale them in the same order, so a row comes
-out the same in any pass. The Q6_K weights stay in the plain buffer (cpu_build's
+tiles, both summing int8 products in int32 (exact), and a row came out the same in every pass
+measured. The Q6_K weights stay in the plain buffer (cpu_build's
 amx-q6k-outside), where x86 has no repacked layout: a dot product per row. Measured on the
 2-core Xeon with AMX (flash attention, q8_0 cache, a stream per sequence; 4 prompts, one past
 256 tokens, 17 positions each): max |Δlogit| 0 at 2, 3, 5 and 7 rows, 0.50-0.69 at 8+ rows with
@@ -128,7 +128,7 @@ _amx: bool | None = None
 def amx_buffer_available() -> bool:
     """Whether this process's llama.cpp puts weights in AMX's buffer: built with AMX kernels, and
     the kernel granted the tile state (ggml_amx_init; without it ggml leaves the buffer type out
-    of the CPU device's extra buffer types). Needs llama.cpp's backend initialised."""
+    of the CPU device's extra buffer types). ggml's backend registry loads on this first call."""
     global _amx
     if _amx is None:
         _amx = AMX_BUFFER in _cpu_extra_buffer_types()
