@@ -46,12 +46,6 @@ LONG_TAIL = " Answer carefully, and explain each step of your reasoning in detai
 MODES = ("default", "exact", "exact-unpacked")
 
 
-def amx_here() -> bool:
-    from homespec.llama.kernels import amx_buffer_available
-
-    return amx_buffer_available()
-
-
 def prompts() -> list[list[dict[str, str]]]:
     from homespec.serving.bench import load_workloads
 
@@ -125,8 +119,10 @@ def main() -> None:
     if args.mode:
         print(json.dumps(run_mode(args.mode, args.tokens)))
         return
+    from homespec.llama.kernels import amx_buffer_available
+
     results = []
-    for mode in MODES if amx_here() else MODES[:2]:
+    for mode in MODES if amx_buffer_available() else MODES[:2]:
         out = subprocess.run([sys.executable, __file__, "--mode", mode, "--tokens", str(args.tokens)],
                              capture_output=True, text=True, check=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
