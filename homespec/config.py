@@ -112,7 +112,8 @@ class RuntimeConfig(_Strict):
     # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
     tiled_matmul: bool = Field(True, description="ggml's tiled matmul for passes of 8+ tokens (GGML_CPU_TILED_MM overrides)")
     # Off by default: it gives up repacked weights (AMX's stay, where it is in use: loader.open_target),
-    # long drafts and wide passes of several requests (Config.k_limit, Config.max_pass_rows); the
+    # and, in a build without the reference-kernel switch (llama/kernels.py), long drafts and wide
+    # passes of several requests (Config.k_limit, Config.max_pass_rows); the
     # default mode keeps greedy output equal to plain decoding except at near-ties (DESIGN.md).
     exact: bool = Field(False, description="Batch-invariant kernels: greedy output with speculation equals plain decoding bit for bit")
     # Off: a KV stream per slot, as llama-server -np N. Each slot's rows then attend over its own
@@ -327,17 +328,22 @@ class Config(_Strict):
     def _abs(cls, v: Path) -> Path:
         return v.resolve()
 
-    @property
-    def k_limit(self) -> int:
-        """The longest draft the target may verify. Exact mode keeps every pass below ggml's
-        tiled-matmul threshold, where rows stay batch-invariant (llama/kernels.py)."""
-        k = self.speculation.k_max
-        return min(k, EXACT_MAX_ROWS - 1) if self.runtime.exact else k
+    def max_pass_rows(self, reference_decode: bool) -> int | None:
+        """Rows one target pass of decode steps may hold, all requests together; None: n_batch,
+        prompt chunks beside them. Exact mode packs narrow passes, prompts in passes of their own
+        (speculation/batch.py), of one request's longest step (the last token and k_max) where
+        its decode passes take llama.cpp's reference kernels (RuntimeOptions.reference_decode),
+        else below ggml's tiled-matmul threshold, where rows stay batch-invariant without them
+        (llama/kernels.py)."""
+        if not self.runtime.exact:
+            return None
+        return self.speculation.k_max + 1 if reference_decode else EXACT_MAX_ROWS
 
-    @property
-    def max_pass_rows(self) -> int | None:
-        """Rows one target pass of decode steps may hold, all requests together; None: n_batch."""
-        return EXACT_MAX_ROWS if self.runtime.exact else None
+    def k_limit(self, reference_decode: bool) -> int:
+        """The longest draft the target may verify (max_pass_rows: the last token and k)."""
+        rows = self.max_pass_rows(reference_decode)
+        k = self.speculation.k_max
+        return k if rows is None else min(k, rows - 1)
 
     def resolve(self, p: Path) -> Path:
         """A config path made absolute against the config file's folder."""

@@ -84,6 +84,27 @@ SOURCE_FIXES: tuple[tuple[str, str, str, str], ...] = (
      "            case GGML_TYPE_IQ4_XS:  // homespec: no GGML_TYPE_Q6_K, it decodes faster outside AMX\n"),
 )
 
+# Changes to llama-cpp-python's llama.cpp only (the bench's peer, a later ggml, has no use_ref). A
+# fix may take several entries of one name.
+USE_REF_FIX = "cpu-use-ref-switch"
+REFERENCE_SWITCH_SYMBOL = "homespec_cpu_set_use_ref"  # void (bool), exported by libggml-cpu (llama/kernels.py)
+WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
+    # ggml's "reference implementation" switch (no tiled matmul, no split or tiled flash attention,
+    # no fused ops) is per CPU backend, and llama.cpp keeps its context's backend to itself. This
+    # process-wide switch lets exact mode take those paths for decode passes only, pass by pass
+    # (llama/kernels.py), and keep the tiled matmul for prompts.
+    (USE_REF_FIX, "ggml/src/ggml-cpu/ggml-cpu.cpp",
+     "static const char * ggml_backend_cpu_get_name(ggml_backend_t backend) {\n",
+     "#include <atomic>  // homespec: the process-wide reference switch\n"
+     "static std::atomic<bool> homespec_use_ref{false};\n"
+     f"extern \"C\" {{ GGML_BACKEND_API void {REFERENCE_SWITCH_SYMBOL}(bool use_ref) {{ homespec_use_ref.store(use_ref); }} }}\n"
+     "\n"
+     "static const char * ggml_backend_cpu_get_name(ggml_backend_t backend) {\n"),
+    (USE_REF_FIX, "ggml/src/ggml-cpu/ggml-cpu.cpp",
+     "    cplan.use_ref             = cpu_ctx->use_ref;\n",
+     "    cplan.use_ref             = cpu_ctx->use_ref || homespec_use_ref.load();  // homespec\n"),
+)
+
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile
 # configuration and zeroes a tile: the instructions ggml's AMX kernels start with.
 _AMX_CHECK_C = r"""
@@ -136,24 +157,24 @@ def amx_works(cc: str | None = None) -> bool:
             return False
 
 
-def fix_source(llama_cpp: Path) -> list[str]:
-    """Apply SOURCE_FIXES to the llama.cpp tree at `llama_cpp`; the names of the fixes now in it.
-    A fix whose text is found neither before nor after is an error: the source is not the one it
-    was written for, and building it unfixed would crash where the fix is needed."""
-    done = []
-    for name, rel, text, replacement in SOURCE_FIXES:
+def fix_source(llama_cpp: Path, fixes: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES) -> list[str]:
+    """Apply `fixes` (default: those both builds take) to the llama.cpp tree at `llama_cpp`; the
+    names of the fixes now in it. A fix whose text is found neither before nor after is an error:
+    the source is not the one it was written for, and building it unfixed would crash where the
+    fix is needed, or lack what homespec calls."""
+    for name, rel, text, replacement in fixes:
         path = Path(llama_cpp) / rel
         source = path.read_text()
         if replacement not in source:
             if source.count(text) != 1:
                 raise RuntimeError(f"{path}: the line fix {name!r} replaces is not there once; not building this source")
             path.write_text(source.replace(text, replacement))
-        done.append(name)
-    return done
+    return fix_names(fixes)
 
 
-def fix_names() -> list[str]:
-    return [name for name, *_ in SOURCE_FIXES]
+def fix_names(fixes: tuple[tuple[str, str, str, str], ...] = WHEEL_FIXES) -> list[str]:
+    """The names of `fixes` (default: the wheel's), once each, in order."""
+    return list(dict.fromkeys(name for name, *_ in fixes))
 
 
 def choose(flags: set[str], amx: bool = False) -> dict[str, bool]:
@@ -290,7 +311,7 @@ def build_wheel(version: str, dest: Path) -> None:
         with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as tar:
             tar.extractall(tmp, filter="data")
         src = Path(tmp) / f"llama_cpp_python-{version}"
-        print(f"llama.cpp source fixes: {', '.join(fix_source(src / 'vendor' / 'llama.cpp')) or 'none'}")
+        print(f"llama.cpp source fixes: {', '.join(fix_source(src / 'vendor' / 'llama.cpp', WHEEL_FIXES)) or 'none'}")
         subprocess.run([*pip, "wheel", "--no-deps", "--no-cache-dir", "-w", str(dest), str(src)], check=True)
 
 

@@ -23,6 +23,18 @@ With repacking off, flash attention on, a q8_0 KV cache and passes below TILED_M
 are bitwise equal for every batch size measured (2..9 rows, 3 prompts of ~300 tokens, 12
 positions each: max |Δlogit| 0.0 against 0.34-0.67 by default). That is `runtime.exact`.
 
+Decode passes of any length: ggml has a "reference implementation" switch (`use_ref`: no tiled
+matmul, no split or tiled flash attention, no fused ops), but per CPU backend, and llama.cpp keeps
+its context's backend to itself. `make install` builds llama.cpp with a process-wide switch beside
+it (cpu_build's cpu-use-ref-switch), and exact mode's target runs its decode passes (a part asks
+for every row's logits) on the reference kernels and its prompt passes on the usual ones
+(`pass_kernels`, RuntimeOptions.reference_decode): prompts keep the tiled matmul's speed, and a
+decode row no longer depends on how many rows its pass holds. Measured on the 2-core Xeon with
+AMX (2026-12-05; 4 prompts, one past 256 tokens, 65 positions each, a process per load): max
+|Δlogit| 0 at 2, 17, 33, 40, 48 and 65 rows, AMX's buffer kept or every weight unpacked, against
+0.50-0.69 at 8+ rows on the usual kernels. The 7-row limit (EXACT_MAX_ROWS) remains for a build
+without the switch (a wheel from elsewhere).
+
 Several sequences in one pass keep this, on one more condition: flash attention walks a
 sequence's KV cells in cell order, skipping other sequences' (masked) cells, so the cells must
 lie in position order. In llama.cpp's unified cache they need not: a sequence that grows into
@@ -61,17 +73,20 @@ none of them in its CPU_REPACK buffer, whose gemm and gemv kernels round differe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Final
+
+from homespec.llama.cpu_build import REFERENCE_SWITCH_SYMBOL
 
 TILED_ENV = "GGML_CPU_TILED_MM"  # ggml-cpu/tiled/tiled.cpp: "0" turns the tiled matmul off
 TILED_MIN_ROWS = 8  # tiled.cpp ggml_tiled_min_batch: passes of this many rows or more take it
-# Exact mode verifies at most this many rows a pass (k <= EXACT_MAX_ROWS - 1), so the tiled
-# matmul, whether on or off, never computes a decode row.
+# Without the reference switch, exact mode verifies at most this many rows a pass (k <=
+# EXACT_MAX_ROWS - 1), so the tiled matmul, whether on or off, never computes a decode row.
 EXACT_MAX_ROWS = TILED_MIN_ROWS - 1
 EXACT_KV_TYPE: Final = "q8_0"  # no split-KV softmax for one-token passes (f16/f32 caches only)
 # The matrix types whose rows were measured batch-invariant with AMX's buffer in use (docstring).
@@ -122,6 +137,56 @@ def batch_invariant_buffers(weight_buffers: Mapping[str, float]) -> bool:
     return REPACK_BUFFER not in weight_buffers
 
 
+_reference_lock = threading.Lock()  # one pass at a time chooses the process's kernels
+_reference_switch: Callable[[bool], None] | None = None
+_reference_looked = False
+
+
+def reference_kernels_available() -> bool:
+    """Whether this process's llama.cpp can run a pass on its reference CPU kernels (built by
+    `make install`, with cpu_build's switch; a wheel from elsewhere has none)."""
+    global _reference_switch, _reference_looked
+    if not _reference_looked:
+        _reference_switch = _find_reference_switch()
+        _reference_looked = True
+    return _reference_switch is not None
+
+
+@contextlib.contextmanager
+def pass_kernels(reference: bool) -> Iterator[None]:
+    """Run the pass inside on llama.cpp's reference CPU kernels (`reference`) or on its usual ones,
+    whatever another thread's pass asks for meanwhile (they take turns). Exact mode's target runs
+    every pass inside, its decode passes on the reference kernels (docstring)."""
+    if not reference_kernels_available():
+        raise RuntimeError("this llama.cpp build has no switch for its reference kernels (`make install` builds one)")
+    assert _reference_switch is not None
+    with _reference_lock:
+        _reference_switch(reference)
+        try:
+            yield
+        finally:
+            _reference_switch(False)
+
+
+def _llama_library() -> ctypes.CDLL:
+    """libllama as llama-cpp-python loaded it. Its handle finds ggml's symbols in the copies
+    libllama itself uses (dlsym searches a library's dependencies): the wheel holds each library
+    twice, as libggml-cpu.so and libggml-cpu.so.0 (no symlinks in a wheel), and loading one by
+    path would start a second ggml beside the one that runs the passes."""
+    from llama_cpp.llama_cpp import _lib
+
+    return _lib
+
+
+def _find_reference_switch() -> Callable[[bool], None] | None:
+    try:
+        fn = getattr(_llama_library(), REFERENCE_SWITCH_SYMBOL)  # ggml's use_ref for every CPU backend, from the next pass on
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_bool], None
+    return fn
+
+
 _amx: bool | None = None
 
 
@@ -138,7 +203,7 @@ def amx_buffer_available() -> bool:
 def _cpu_extra_buffer_types() -> list[str]:
     # The CPU device's own list, reached as llama.cpp reaches it (ggml_backend_reg_get_proc_address):
     # llama-cpp-python binds none of these functions.
-    from llama_cpp._ggml import libggml  # libggml-base's symbols resolve through it (its dependency)
+    libggml = _llama_library()
 
     libggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
     libggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]

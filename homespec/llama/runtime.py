@@ -53,7 +53,7 @@ from homespec.errors import ModelError
 from homespec.llama.cpu_build import installed_package_dir, read_stamp, require_matching_build
 from homespec.llama.fim import FimTokens
 from homespec.llama.gguf_info import KvType
-from homespec.llama.kernels import fix_tiled_matmul, tiled_matmul_in_effect
+from homespec.llama.kernels import fix_tiled_matmul, pass_kernels, reference_kernels_available, tiled_matmul_in_effect
 from homespec.tokens import common_prefix
 
 require_matching_build()  # before llama.cpp loads: a build for another CPU dies with SIGILL
@@ -210,6 +210,10 @@ class RuntimeOptions:
     # ggml's tiled matmul for passes of 8+ rows: True/False, None = llama.cpp's default. One
     # setting per process: the first Runtime's wins (kernels.fix_tiled_matmul).
     tiled_matmul: bool | None = None
+    # Decode passes (a part asks for every row's logits: output "all") on llama.cpp's reference
+    # CPU kernels, prompt passes on its usual ones: rows of any count that do not depend on their
+    # pass (exact mode, kernels.py). Needs a build with the switch (kernels.reference_kernels_available).
+    reference_decode: bool = False
 
 
 class Runtime:
@@ -223,6 +227,9 @@ class Runtime:
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
         self.tiled_matmul: bool = fix_tiled_matmul(opts.tiled_matmul)  # before any matrix product
+        if opts.reference_decode and not reference_kernels_available():
+            raise ModelError("reference_decode: this llama.cpp build cannot switch to its reference kernels "
+                             "(rebuild it with `make install`)")
         mp = llama_cpp.llama_model_default_params()
         mp.use_extra_bufts = opts.repack
         mp.n_gpu_layers = opts.n_gpu_layers if opts.n_gpu_layers >= 0 else 10_000
@@ -320,7 +327,7 @@ class Runtime:
                 pos0 = len(self.tokens)
                 # With embeddings on llama.cpp outputs every position anyway (and warns when the
                 # flags say otherwise): ask for all, keep the wanted logits rows.
-                self._decode(chunk, [True] * len(chunk) if emb else want)
+                self._decode(chunk, [True] * len(chunk) if emb else want, decode_rows=output == "all")
                 if emb:
                     self._read_all_outputs(pos0, want, outs, hidden)
                 elif any(want):
@@ -389,7 +396,7 @@ class Runtime:
         a = start - self._hid_start
         return self._hid[a : a + stop - start].copy()
 
-    def _decode(self, chunk: Sequence[int], want: list[bool]) -> None:
+    def _decode(self, chunk: Sequence[int], want: list[bool], decode_rows: bool) -> None:
         b = self._batch
         pos0 = len(self.tokens)
         b.n_tokens = len(chunk)
@@ -399,7 +406,7 @@ class Runtime:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
             b.logits[i] = w
-        rc = llama_cpp.llama_decode(self._ctx, b)
+        rc = self._llama_decode(b, decode_rows)
         if rc != 0:
             # On a fatal error llama.cpp may keep part of the batch: drop it so the cache again
             # holds exactly self.tokens.
@@ -468,7 +475,7 @@ class Runtime:
                 i += 1
             n_out.append({"all": len(toks), "last": 1 if toks else 0, "none": 0}[output])
         b.n_tokens = n
-        rc = llama_cpp.llama_decode(self._ctx, b)
+        rc = self._llama_decode(b, any(output == "all" for _, _, output in parts))
         if rc != 0:
             for slot, _, _ in parts:  # as in _decode: the caches again hold exactly .tokens
                 llama_cpp.llama_memory_seq_rm(self._mem, slot.seq, len(slot.tokens), -1)
@@ -480,6 +487,13 @@ class Runtime:
             out.append(rows[r : r + m] if rows is not None and m else np.empty((0, self.n_vocab), np.float32))
             r += m
         return out
+
+    def _llama_decode(self, batch: llama_cpp.llama_batch, decode_rows: bool) -> int:
+        """llama_decode; with reference_decode, on the kernels its kind of pass takes."""
+        if not self.opts.reference_decode:
+            return llama_cpp.llama_decode(self._ctx, batch)
+        with pass_kernels(reference=decode_rows):
+            return llama_cpp.llama_decode(self._ctx, batch)
 
     @staticmethod
     def _read(ptr: ctypes._Pointer, rows: int, cols: int) -> np.ndarray:
@@ -682,6 +696,7 @@ class Runtime:
                 "llama_cpp": llama_cpp.__version__, "build": read_stamp(pkg) if pkg is not None else None,
                 "kv_type": self.opts.kv_type, "flash_attn": self.opts.flash_attn, "repack": self.opts.repack,
                 "n_gpu_layers": self.opts.n_gpu_layers, "tiled_matmul": tiled_matmul_in_effect(),
+                "reference_decode": self.opts.reference_decode,
                 "weight_buffers": sorted(self.weight_buffers)}  # AMX's, or the repacked layouts', or neither
 
     # -- lifetime -----------------------------------------------------------------------------

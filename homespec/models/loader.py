@@ -107,11 +107,12 @@ class ModelSet:
 
 def runtime_options(
     cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0,
-    slots: int = 1, draft: bool = False, keep_amx: bool = False,
+    slots: int = 1, draft: bool = False, keep_amx: bool = False, reference_decode: bool = False,
 ) -> RuntimeOptions:
     """The options of the target, or with `draft` of the draft model: exact mode changes the
     target's kernels only, since a proposal need not be batch-invariant to be verified exactly.
-    keep_amx: exact mode keeps llama.cpp's extra buffers, for AMX's (llama/kernels.py)."""
+    keep_amx: exact mode keeps llama.cpp's extra buffers, for AMX's; reference_decode: its decode
+    passes take llama.cpp's reference kernels (llama/kernels.py)."""
     r = cfg.runtime
     if draft and r.exact:
         r = r.model_copy(update={"exact": False})
@@ -131,24 +132,28 @@ def runtime_options(
         kv_type=r.kv_type,
         kv_unified=r.kv_unified,
         tiled_matmul=r.tiled_matmul,
+        reference_decode=r.exact and reference_decode,
     )
 
 
 def open_target(cfg: Config, path: Path, n_ctx: int | None = None, window: int = 0, slots: int = 1,
-                amx: bool = True) -> Runtime:
+                amx: bool = True, reference: bool = True) -> Runtime:
     """The target with the configured options. In exact mode on a CPU with AMX, with AMX's buffer
     where the file's matrix types keep a row's logits independent of its pass (llama/kernels.py),
     else, or if llama.cpp put any weight in its repacked layouts after all, unpacked (amx=False:
-    unpacked in any case, to compare)."""
+    unpacked in any case, to compare). Its decode passes take llama.cpp's reference kernels where
+    the build can switch to them (reference=False: never, to compare)."""
     n_gpu = cfg.models.target.n_gpu_layers
     keep_amx = (amx and cfg.runtime.exact and n_gpu == 0
                 and kernels.exact_keeps_amx(read_gguf_info(path).matrix_types, kernels.amx_buffer_available()))
-    target = Runtime(path, runtime_options(cfg, n_gpu, n_ctx, hidden_window=window, slots=slots, keep_amx=keep_amx))
+    ref = reference and cfg.runtime.exact and n_gpu == 0 and kernels.reference_kernels_available()
+    target = Runtime(path, runtime_options(cfg, n_gpu, n_ctx, hidden_window=window, slots=slots, keep_amx=keep_amx,
+                                           reference_decode=ref))
     if keep_amx and not kernels.batch_invariant_buffers(target.weight_buffers):
         log.warning("exact mode: llama.cpp put weights of %s in repacked layouts (%s); loading it again unpacked",
                     path.name, _buffers(target.weight_buffers))
         target.close()
-        target = Runtime(path, runtime_options(cfg, n_gpu, n_ctx, hidden_window=window, slots=slots))
+        target = Runtime(path, runtime_options(cfg, n_gpu, n_ctx, hidden_window=window, slots=slots, reference_decode=ref))
     return target
 
 
@@ -198,5 +203,6 @@ def load_model_set(cfg: Config, *, with_draft: bool = True, n_ctx: int | None = 
     log.info("llama.cpp kernels: %s weights (%s), tiled matmul %s, %s KV cache%s%s", "repacked" if o.repack else "unpacked",
              _buffers(target.weight_buffers), "on" if target.tiled_matmul else "off", o.kv_type,
              ("" if slots == 1 else " in one buffer" if o.kv_unified else ", a stream per slot"),
-             ", exact mode (batch-invariant rows)" if cfg.runtime.exact else "")
+             (", exact mode (batch-invariant rows" + (", decode passes on reference kernels)" if o.reference_decode else ")")
+              if cfg.runtime.exact else ""))
     return ms

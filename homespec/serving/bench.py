@@ -387,7 +387,7 @@ def _run_arm(session: Host, arm: Arm, tokens: list[int], params: SamplingParams,
         policy = _Recorder(proposer, arm.k, steps)
     st = GenerationStats()
     target = models.target
-    g = Grammar(grammar, target.grammar_tokenizer(), target.n_vocab, max_forced=session.cfg.k_limit if arm.jump_forward else 0) if grammar else None
+    g = Grammar(grammar, target.grammar_tokenizer(), target.n_vocab, max_forced=session.k_limit if arm.jump_forward else 0) if grammar else None
     t0 = time.perf_counter()
     text = "".join(ev.text for ev in session.engine.generate(tokens, params, max_tokens, (), policy, st, g))
     seconds = time.perf_counter() - t0

@@ -140,7 +140,8 @@ class Host:
         self.cfg = cfg
         self.models = models
         spec = cfg.speculation
-        k_max = min(cfg.k_limit, models.target.n_ctx - 1)
+        self._reference = models.target.opts.reference_decode  # exact mode's decode passes on reference kernels
+        k_max = min(cfg.k_limit(self._reference), models.target.n_ctx - 1)
         self.ngram_memory = NgramMemory(spec.ngram.memory_tokens) if spec.ngram.memory_tokens else None
         self.controller = Controller(build_proposers(cfg, models, memory=self.ngram_memory), spec.controller, k_max=k_max,
                                      together_rows=max(cfg.server.prefill_chunk // 2, 2))
@@ -346,9 +347,14 @@ class Host:
                     self.prefix_cache.stash(self.models.target.slot(s))
                 self._empty(s)
 
+    @property
+    def k_limit(self) -> int:
+        """The longest draft this target may verify (Config.k_limit, for its kernels)."""
+        return self.cfg.k_limit(self._reference)
+
     def batch(self, prefill_chunk: int) -> Batch:
         """A driver for generations running together on this target."""
-        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk, self.cfg.max_pass_rows)
+        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk, self.cfg.max_pass_rows(self._reference))
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:
@@ -401,7 +407,7 @@ class Host:
         check_logit_bias(req.params, self.models.target.n_vocab)
         k = self.cfg.speculation.k if req.k is None else req.k
         if self.cfg.runtime.exact:
-            k = min(k, self.cfg.k_limit)  # a longer pass would not be batch-invariant
+            k = min(k, self.k_limit)  # a longer pass would not be batch-invariant
         # Until warm-up has measured the costs, plain decoding is the safe choice for auto.
         mode = Mode.OFF if req.mode == Mode.AUTO and not self.controller.cost.calibrated() else req.mode
         try:
@@ -410,7 +416,7 @@ class Host:
             raise UnknownMode(f"speculation mode {str(mode)!r} is not available while other requests run ({e.args[0]})") from None
         target = self.models.target
         # Jump-forward tokens are drafts too: no longer than the longest verify pass allowed.
-        grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab, self.cfg.k_limit) if req.grammar else None
+        grammar = Grammar(req.grammar, target.grammar_tokenizer(), target.n_vocab, self.k_limit) if req.grammar else None
         self._prepare_cache(tokens, slot)
         return {"policy": policy, "grammar": grammar, "logprobs": req.logprobs}
 

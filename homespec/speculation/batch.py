@@ -15,9 +15,10 @@ to the shared pass rather than at a pass of its own (controller.py); and, when e
 generation in the pass would draft were it alone, what their drafts would bring (`Keen`, from
 each one's last decision), so that all of them may draft together.
 
-Narrow passes (`max_rows`, exact mode): a row's logits are the same in any pass below ggml's
-tiled-matmul threshold (llama/kernels.py), so decode steps share a pass only up to max_rows rows
-together, those that waited longest first, and a prompt is read in passes of its own, cut at
+Narrow passes (`max_rows`, exact mode): a row's logits are the same in any decode pass on
+llama.cpp's reference kernels, or, without them, below ggml's tiled-matmul threshold
+(llama/kernels.py), so decode steps share a pass only up to max_rows rows together, those that
+waited longest first, and a prompt is read in passes of its own (its kernels), cut at
 n_batch as a lone request's prompt is, taking turns with the decode rounds of its priority (a
 prompt of lower priority waits until no higher decode runs: a chunk of n_batch tokens holds the
 pass for seconds). Every request then computes exactly the rows it would compute alone. With a

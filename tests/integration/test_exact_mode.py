@@ -9,7 +9,7 @@ import pytest
 
 from homespec.config import Config
 from homespec.llama.gguf_info import read_gguf_info
-from homespec.llama.kernels import EXACT_MAX_ROWS, amx_buffer_available
+from homespec.llama.kernels import EXACT_MAX_ROWS, TILED_MIN_ROWS, amx_buffer_available, reference_kernels_available
 from homespec.llama.runtime import Runtime
 from homespec.models.loader import open_target, runtime_options
 from homespec.models.memory import kv_cells
@@ -45,7 +45,18 @@ def open_exact(kernels: str, cfg: Config, n_ctx: int, slots: int = 1) -> Runtime
     # llama.cpp reports every buffer it loads weights into (an empty record would pass anything).
     assert rt.weight_buffers and sum(rt.weight_buffers.values()) > 900, rt.weight_buffers  # MiB; a ~1 GB file
     assert ("AMX" in rt.weight_buffers) == (kernels == "amx") and "CPU_REPACK" not in rt.weight_buffers, rt.weight_buffers
+    # `make install` builds llama.cpp with the switch: decode passes of any length on its reference kernels.
+    assert rt.opts.reference_decode == reference_kernels_available()
     return rt
+
+
+def longest_pass(rt: Runtime) -> int:
+    """Rows one exact-mode decode pass may hold on this target (Config.max_pass_rows)."""
+    limit = Config().speculation.k_max + 1 if rt.opts.reference_decode else EXACT_MAX_ROWS
+    cfg = Config()
+    cfg.runtime.exact = True
+    assert cfg.max_pass_rows(rt.opts.reference_decode) == limit
+    return limit
 
 
 @pytest.fixture(scope="module", params=KERNELS)
@@ -58,15 +69,18 @@ def exact_rt(request):
 @pytest.mark.integration
 def test_in_exact_mode_a_rows_logits_do_not_depend_on_the_batch(exact_rt):
     assert len(encode(exact_rt, LONG)) > 256
-    sizes = range(2, EXACT_MAX_ROWS + 1)
-    deltas = batch_noise(exact_rt, [PROMPTS[0], LONG], positions=EXACT_MAX_ROWS * 2, sizes=sizes)
+    # Past ggml's tiled-matmul threshold (8 rows) and AMX's 32-row tile blocks, where the
+    # decode passes take llama.cpp's reference kernels.
+    sizes = [n for n in (2, 3, 5, 7, 8, 9, 17, 33) if n <= longest_pass(exact_rt)]
+    deltas = batch_noise(exact_rt, [PROMPTS[0], LONG], positions=max(sizes) + 1, sizes=sizes)
     for text, ds in deltas.items():
         assert ds == [0.0] * len(sizes), f"{text!r}: max |Δlogit| per batch size {dict(zip(sizes, ds))}"
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("proposer, k", [("ngram", EXACT_MAX_ROWS - 1), ("draft", 4)])
+@pytest.mark.parametrize("proposer, k", [("ngram", 16), ("draft", 4)])
 def test_in_exact_mode_greedy_speculation_returns_plain_decodings_tokens(exact_rt, draft_rt, proposer, k):
+    k = min(k, longest_pass(exact_rt) - 1)
     engine = Engine(exact_rt)
     spec_policy = FixedPolicy(NgramProposer(2, 12) if proposer == "ngram" else DraftProposer(draft_rt, exact_rt.n_vocab), k)
     for text in PROMPTS:
@@ -79,7 +93,7 @@ def test_in_exact_mode_greedy_speculation_returns_plain_decodings_tokens(exact_r
 
 
 @pytest.mark.integration
-def test_an_exact_mode_host_verifies_at_most_seven_rows_a_pass_and_matches_plain_decoding():
+def test_an_exact_mode_host_drafts_as_far_as_its_kernels_allow_and_matches_plain_decoding():
     from homespec.config import ModelRef, ModelsConfig, RuntimeConfig
     from homespec.serving.host import GenerationRequest, Host
     from tests.conftest import ROOT
@@ -87,7 +101,8 @@ def test_an_exact_mode_host_verifies_at_most_seven_rows_a_pass_and_matches_plain
     cfg = Config(models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None),
                  runtime=RuntimeConfig(n_ctx=1024, exact=True), base_dir=ROOT)
     with Host.open(cfg, calibrate=False, with_draft=False) as s:
-        assert s.controller.k_max == EXACT_MAX_ROWS - 1
+        limit = longest_pass(s.models.target)
+        assert s.controller.k_max == s.k_limit == limit - 1
         # Where AMX is in use the daemon keeps its buffer for the target, and no repacked layout.
         assert ("AMX" in s.models.target.weight_buffers) == amx_buffer_available()
         assert "CPU_REPACK" not in s.models.target.weight_buffers
@@ -103,17 +118,19 @@ def test_an_exact_mode_host_verifies_at_most_seven_rows_a_pass_and_matches_plain
         prompt = s.models.encode_chat([{"role": "user", "content": PROMPTS[1]}])
         plain = [t for ev in s.generate(prompt, GenerationRequest(max_tokens=48, mode="off")) for t in ev.tokens]
         rows.clear()
-        gen = s.generate(prompt, GenerationRequest(max_tokens=48, mode="ngram", k=12))  # asks for more than exact allows
+        k = limit + 2 if limit == EXACT_MAX_ROWS else 12  # without the reference kernels: more than exact allows
+        gen = s.generate(prompt, GenerationRequest(max_tokens=48, mode="ngram", k=k))
         spec = [t for ev in gen for t in ev.tokens]
-        assert gen.stats.proposed > 0 and max(rows) == EXACT_MAX_ROWS  # the copy drafts as far as allowed
+        assert gen.stats.proposed > 0 and max(rows) == min(k + 1, limit)  # the copy drafts as far as allowed
+        assert limit == EXACT_MAX_ROWS or max(rows) > TILED_MIN_ROWS
         assert spec == plain
         # A grammar's jump-forward tokens are drafts too: a long forced run is cut to fit.
-        schema = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer"}},
-                  "required": ["a_rather_long_property_name"]}
+        schema = {"type": "object", "properties": {"a_rather_long_property_name_that_the_grammar_forces": {"type": "integer"}},
+                  "required": ["a_rather_long_property_name_that_the_grammar_forces"]}
         rows.clear()
         ask = s.models.encode_chat([{"role": "user", "content": "Give me a JSON object."}])
         list(s.generate(ask, GenerationRequest(max_tokens=24, mode="off", grammar=json_schema_grammar(schema))))
-        assert max(rows) == EXACT_MAX_ROWS
+        assert max(rows) == EXACT_MAX_ROWS if limit == EXACT_MAX_ROWS else TILED_MIN_ROWS < max(rows) <= limit
 
 
 @pytest.mark.integration
@@ -177,10 +194,12 @@ def test_in_exact_mode_requests_decoded_together_return_their_lone_plain_decodin
     policies = [  # a different proposer per request, k = 0 included
         FixedPolicy(DraftProposer(draft.slot(0), rt.n_vocab), 4),
         FixedPolicy(),
-        FixedPolicy(NgramProposer(2, 12), EXACT_MAX_ROWS - 1),
+        FixedPolicy(NgramProposer(2, 12), min(12, longest_pass(rt) - 1)),
         FixedPolicy(DraftProposer(draft.slot(3), rt.n_vocab), 2),
     ]
-    batch = Batch(counted, n_batch=rt.n_batch, prefill_chunk=32, max_rows=EXACT_MAX_ROWS)
+    # Several steps share a pass up to max_rows; an even row budget tries more sharings than the default.
+    max_rows = min(longest_pass(rt), 16)
+    batch = Batch(counted, n_batch=rt.n_batch, prefill_chunk=32, max_rows=max_rows)
     out: dict[int, list[int]] = {i: [] for i in range(4)}
     for i, p in enumerate(prompts):
         draft.slot(i).reset()
@@ -188,7 +207,8 @@ def test_in_exact_mode_requests_decoded_together_return_their_lone_plain_decodin
             out[i] += ev.tokens
     while len(batch):
         batch.step(lambda key, ev: out[int(key)].extend(ev.tokens))  # type: ignore[call-overload]
-    assert len(decode_rows) >= 10 and max(decode_rows) <= EXACT_MAX_ROWS  # shared passes, all narrow
+    assert len(decode_rows) >= 10 and max(decode_rows) <= max_rows  # shared passes, all narrow
+    assert max_rows == EXACT_MAX_ROWS or max(decode_rows) > TILED_MIN_ROWS
     assert [out[i] for i in range(4)] == alone  # no near-tie exemption
 
 

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from homespec.llama.fim import FimTokens
-from homespec.llama.runtime import ContextFull, KvState
+from homespec.llama.runtime import ContextFull, KvState, RuntimeOptions
 from homespec.speculation.proposers.base import Preview
 from homespec.speculation.proposers.ngram import Match, NgramProposer
 from homespec.tokens import common_prefix
@@ -37,6 +37,7 @@ class FakeRuntime:
         self.passes: list[list[tuple[int, int]]] = []  # eval_many calls: [(seq, tokens)] per pass
         self.rt = self  # the runtime whose cache this sequence is in (FakeSlot: its owner)
         self.shares_cells = True  # Runtime.shares_cells: one unified KV buffer
+        self.opts = RuntimeOptions(n_ctx=n_ctx, n_batch=n_batch, n_seq=n_seq, kv_unified=True)  # as Runtime.opts
 
     def slot(self, i: int) -> FakeRuntime:
         """KV sequence i: slot 0 is this runtime itself, as in Runtime."""

@@ -200,6 +200,28 @@ def test_the_fixes_apply_once_and_a_second_run_changes_nothing(tmp_path: Path) -
     assert (tree / "ggml/src/ggml-cpu/amx/amx.cpp").read_text() == amx
 
 
+# The two lines of ggml-cpu/ggml-cpu.cpp the reference switch is written at.
+CPU_BACKEND = """static const char * ggml_backend_cpu_get_name(ggml_backend_t backend) {
+    return "CPU";
+}
+    cplan.use_ref             = cpu_ctx->use_ref;
+"""
+
+
+def test_the_wheel_alone_gets_the_reference_switch_and_its_cache_key_names_it(tmp_path: Path) -> None:
+    tree = _llama_tree(tmp_path)
+    cpu = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp"
+    cpu.write_text(CPU_BACKEND)
+    assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]  # the peer's: its ggml has no use_ref
+    assert cpu.read_text() == CPU_BACKEND
+    assert cb.fix_source(tree, cb.WHEEL_FIXES) == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX]
+    fixed = cpu.read_text()
+    assert "cpu_ctx->use_ref || homespec_use_ref.load()" in fixed and f"void {cb.REFERENCE_SWITCH_SYMBOL}(bool" in fixed
+    assert fixed.index("homespec_use_ref{false}") < fixed.index("homespec_use_ref.load()")  # declared before use
+    assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed  # once only
+    assert cb.fix_names() == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX]  # the wheel's key and stamp
+
+
 def test_a_source_without_the_lines_to_fix_is_refused_not_built_unfixed(tmp_path: Path) -> None:
     import pytest
 
@@ -209,6 +231,10 @@ def test_a_source_without_the_lines_to_fix_is_refused_not_built_unfixed(tmp_path
     tree = _llama_tree(tmp_path / "b", amx=AMX_TYPES.replace("Q6_K", "Q3_K"))
     with pytest.raises(RuntimeError, match="amx-q6k-outside"):
         cb.fix_source(tree)
+    tree = _llama_tree(tmp_path / "c")
+    (tree / "ggml/src/ggml-cpu/ggml-cpu.cpp").write_text(CPU_BACKEND.replace("cpu_ctx->use_ref;", "false;"))
+    with pytest.raises(RuntimeError, match=cb.USE_REF_FIX):
+        cb.fix_source(tree, cb.WHEEL_FIXES)
 
 
 # The kernel's first steps, ggml_tile_config_init then a tilezero, with the load as llama.cpp has it

@@ -42,14 +42,22 @@ def test_a_setting_the_user_exported_wins_read_as_c_atoi_reads_it(fresh_process,
     assert kernels.fix_tiled_matmul(not on) is on
 
 
-def test_exact_mode_keeps_every_pass_below_the_tiled_threshold_all_requests_together():
+def test_exact_mode_without_reference_kernels_keeps_every_pass_below_the_tiled_threshold_all_requests_together():
     cfg = Config()
-    assert (cfg.k_limit, cfg.max_pass_rows) == (cfg.speculation.k_max, None)
+    assert (cfg.k_limit(False), cfg.max_pass_rows(False)) == (cfg.speculation.k_max, None)
     cfg.runtime.exact = True
-    assert cfg.k_limit + 1 == EXACT_MAX_ROWS < TILED_MIN_ROWS  # the verify pass: last token + k
-    assert cfg.max_pass_rows == EXACT_MAX_ROWS  # several requests' steps in one pass
+    assert cfg.k_limit(False) + 1 == EXACT_MAX_ROWS < TILED_MIN_ROWS  # the verify pass: last token + k
+    assert cfg.max_pass_rows(False) == EXACT_MAX_ROWS  # several requests' steps in one pass
     cfg.speculation.k_max = 3
-    assert cfg.k_limit == 3
+    assert cfg.k_limit(False) == 3
+
+
+def test_exact_mode_with_reference_kernels_for_decode_passes_drafts_as_far_as_the_default_mode():
+    cfg = Config()
+    cfg.runtime.exact = True
+    # Narrow passes still (prompts in passes of their own), as long as one request's longest step.
+    assert (cfg.k_limit(True), cfg.max_pass_rows(True)) == (cfg.speculation.k_max, cfg.speculation.k_max + 1)
+    assert cfg.k_limit(True) + 1 > TILED_MIN_ROWS  # passes the tiled matmul would take, on reference kernels
 
 
 def test_exact_mode_loads_the_target_unpacked_with_flash_attention_a_q8_kv_cache_and_a_stream_per_sequence():
@@ -80,6 +88,15 @@ def test_weights_in_llama_cpps_repacked_layouts_are_not_batch_invariant():
     assert batch_invariant_buffers({"AMX": 613.1, "CPU_Mapped": 1059.9})
     assert batch_invariant_buffers({"CPU_Mapped": 1059.9})
     assert not batch_invariant_buffers({"AMX": 500.0, "CPU_REPACK": 113.1, "CPU_Mapped": 1059.9})
+
+
+def test_only_the_exact_targets_decode_passes_take_the_reference_kernels():
+    cfg = Config()
+    assert runtime_options(cfg, 0, reference_decode=True).reference_decode is False  # the default mode: fast kernels
+    cfg.runtime.exact = True
+    assert runtime_options(cfg, 0, reference_decode=True).reference_decode is True
+    assert runtime_options(cfg, 0).reference_decode is False
+    assert runtime_options(cfg, 0, draft=True, reference_decode=True).reference_decode is False  # proposals need not be
 
 
 def test_exact_mode_with_amx_keeps_the_extra_buffers_and_changes_nothing_else():
@@ -119,9 +136,46 @@ def test_the_target_opens_with_amx_in_exact_mode_only_where_every_row_stays_batc
     opened: list = []
     monkeypatch.setattr(loader, "Runtime", _Loaded(buffers, opened))
     monkeypatch.setattr(kernels, "amx_buffer_available", lambda: amx)
+    monkeypatch.setattr(kernels, "reference_kernels_available", lambda: True)
     monkeypatch.setattr(loader, "read_gguf_info", lambda path: SimpleNamespace(matrix_types=frozenset(types)))
     cfg = Config()
     cfg.runtime.exact = exact
     target = loader.open_target(cfg, tmp_path / "target.gguf")
     assert [rt.opts.repack for rt in opened] == loads
     assert target is opened[-1] and not target.closed and all(rt.closed for rt in opened[:-1])
+    assert all(rt.opts.reference_decode is exact for rt in opened)  # the fallback load keeps them too
+
+
+@pytest.mark.parametrize("switch, asked, reference", [(True, True, True), (False, True, False), (True, False, False)])
+def test_exact_decode_passes_take_reference_kernels_only_where_the_build_can_switch(monkeypatch, tmp_path, switch, asked, reference):
+    opened: list = []
+    monkeypatch.setattr(loader, "Runtime", _Loaded({}, opened))
+    monkeypatch.setattr(kernels, "amx_buffer_available", lambda: False)
+    monkeypatch.setattr(kernels, "reference_kernels_available", lambda: switch)
+    monkeypatch.setattr(loader, "read_gguf_info", lambda path: SimpleNamespace(matrix_types=frozenset({"Q4_K"})))
+    cfg = Config()
+    cfg.runtime.exact = True
+    assert loader.open_target(cfg, tmp_path / "target.gguf", reference=asked).opts.reference_decode is reference
+
+
+def test_a_pass_on_reference_kernels_switches_them_off_again_even_when_it_fails(monkeypatch):
+    calls: list[bool] = []
+    monkeypatch.setattr(kernels, "_reference_looked", True)
+    monkeypatch.setattr(kernels, "_reference_switch", calls.append)
+    with kernels.pass_kernels(reference=True):
+        assert calls == [True]
+    with pytest.raises(RuntimeError, match="decode failed"):
+        with kernels.pass_kernels(reference=True):
+            raise RuntimeError("decode failed")
+    with kernels.pass_kernels(reference=False):
+        pass
+    assert calls == [True, False, True, False, False, False]
+
+
+def test_a_build_without_the_switch_cannot_run_a_pass_on_reference_kernels(monkeypatch):
+    monkeypatch.setattr(kernels, "_reference_looked", True)
+    monkeypatch.setattr(kernels, "_reference_switch", None)
+    assert not kernels.reference_kernels_available()
+    with pytest.raises(RuntimeError, match="make install"):
+        with kernels.pass_kernels(reference=True):
+            pass

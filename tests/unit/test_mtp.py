@@ -8,6 +8,7 @@ speculation with it emits exactly plain decoding's tokens; data helpers and GGUF
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -144,6 +145,7 @@ class HiddenFake(FakeRuntime):
     def __init__(self, window: int = 64, **kw) -> None:
         super().__init__(vocab=VOCAB, **kw)
         self.window = window
+        self.opts = dataclasses.replace(self.opts, hidden_window=window)
         self.kept_from = 0  # tests may pretend older states were never computed
 
     @staticmethod
