@@ -5,10 +5,12 @@ as exact mode loads the target elsewhere), and what does exact mode cost?
     .venv/bin/python scripts/batch_invariance.py [--tokens 64]
 
 Each mode runs in its own process (ggml fixes its tiled-matmul switch once per process). Per
-mode and prompt: plain decoding (k = 0), ngram k = 6 and the draft model k = 4, same prompt, cold
-cache, greedy; then the count of prompts whose speculative tokens equal plain decoding's, the
-first divergence, the batch noise (max |Δlogit| of 12 positions decoded alone against the same
-positions verified in batches of 2..7), and tokens/s.
+mode and prompt: plain decoding (k = 0), ngram with the longest draft the mode allows up to 16
+(Config.k_limit: 6 in exact mode on a build without the reference-kernel switch) and the draft
+model k = 4, same prompt, cold cache, greedy; then the count of prompts whose speculative tokens
+equal plain decoding's, the first divergence, the batch noise (max |Δlogit| of 17 positions
+decoded alone against the same positions verified in batches of 2..7, and of 9 and 17 where the
+mode allows such passes), and tokens/s.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def run_mode(mode: str, tokens: int) -> dict:
     draft = Runtime(resolve_model_path(cfg, cfg.models.draft), runtime_options(cfg, 0, 2048, draft=True))
     tmpl = ChatTemplate(target.chat_template)
     engine = Engine(target)
-    arms = {"plain": FixedPolicy(), "ngram k=6": FixedPolicy(NgramProposer(2, 12), 6),
+    k = min(16, cfg.k_limit(target.opts.reference_decode))
+    arms = {"plain": FixedPolicy(), "ngram": FixedPolicy(NgramProposer(2, 12), k),
             "draft k=4": FixedPolicy(DraftProposer(draft, target.n_vocab), 4)}
     rows, secs, toks, prefill = [], {a: 0.0 for a in arms}, {a: 0 for a in arms}, []
     for msgs in prompts():
@@ -96,14 +99,16 @@ def run_mode(mode: str, tokens: int) -> dict:
                 div[arm] = j if j is not None or len(out[arm]) == len(out["plain"]) else min(len(out[arm]), len(out["plain"]))
         rows.append({"tokens": len(prompt), "diverged_at": div})
     deltas = batch_noise(target, ["Write a Python function that reverses a string.", "Explain recursion." + LONG_TAIL],
-                         positions=12, sizes=range(2, 8))
+                         positions=17, sizes=[n for n in (2, 3, 4, 5, 6, 7, 9, 17) if n <= k + 1])
     noise = max(d for ds in deltas.values() for d in ds)
     n_pre = sum(n for n, _ in prefill)
     return {
         "mode": mode,
         "kernels": f"{'repacked' if target.opts.repack else 'unpacked'} weights, tiled matmul "
                    f"{'on' if target.tiled_matmul else 'off'}, {target.opts.kv_type} KV, "
-                   f"flash attention {'on' if target.opts.flash_attn else 'off'}",
+                   f"flash attention {'on' if target.opts.flash_attn else 'off'}"
+                   f"{', decode passes on reference kernels' if target.opts.reference_decode else ''}",
+        "ngram_k": k,
         "rows": rows,
         "tok_s": {a: toks[a] / secs[a] for a in arms},
         "prefill_tok_s": n_pre / sum(s for _, s in prefill),
@@ -128,16 +133,16 @@ def main() -> None:
         results.append(json.loads(out.strip().splitlines()[-1]))
     n = len(results[0]["rows"])
     print(f"{n} prompts, {args.tokens} tokens each, greedy, cold cache\n")
-    print("| mode | kernels | identical to plain: ngram k=6 | draft k=4 | batch noise | plain tok/s | ngram / plain | draft / plain | prefill tok/s |")
+    print("| mode | kernels | identical to plain: ngram (k) | draft k=4 | batch noise | plain tok/s | ngram / plain | draft / plain | prefill tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        same = {a: sum(1 for row in r["rows"] if row["diverged_at"][a] is None) for a in ("ngram k=6", "draft k=4")}
+        same = {a: sum(1 for row in r["rows"] if row["diverged_at"][a] is None) for a in ("ngram", "draft k=4")}
         t = r["tok_s"]
-        print(f"| {r['mode']} | {r['kernels']} | {same['ngram k=6']}/{n} | {same['draft k=4']}/{n} | "
-              f"{r['noise']:.3g} | {t['plain']:.2f} | {t['ngram k=6'] / t['plain']:.2f}x | {t['draft k=4'] / t['plain']:.2f}x | "
+        print(f"| {r['mode']} | {r['kernels']} | {same['ngram']}/{n} (k={r['ngram_k']}) | {same['draft k=4']}/{n} | "
+              f"{r['noise']:.3g} | {t['plain']:.2f} | {t['ngram'] / t['plain']:.2f}x | {t['draft k=4'] / t['plain']:.2f}x | "
               f"{r['prefill_tok_s']:.1f} |")
     print("\nfirst divergence (token index) per prompt, default mode:",
-          [(row["diverged_at"]["ngram k=6"], row["diverged_at"]["draft k=4"]) for row in results[0]["rows"]])
+          [(row["diverged_at"]["ngram"], row["diverged_at"]["draft k=4"]) for row in results[0]["rows"]])
 
 
 if __name__ == "__main__":

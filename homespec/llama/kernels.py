@@ -63,9 +63,12 @@ amx-q6k-outside), where x86 has no repacked layout: a dot product per row. Measu
 2-core Xeon with AMX (flash attention, q8_0 cache, a stream per sequence; 4 prompts, one past
 256 tokens, 17 positions each): max |Δlogit| 0 at 2, 3, 5 and 7 rows, 0.50-0.69 at 8+ rows with
 the tiled matmul (the Q6_K weights), 0 at 8-17 rows without it. Without it prompts read ~20 %
-slower, so the 7-row limit stays and what changes is the price: a process each, taking turns,
-3 rounds, medians at 300 tokens of context: one-token passes 75 ms against 84 unpacked, 5 rows
-156 against 228, 7 rows 182 against 281 (the default mode: 71, 143, 170). This holds only where
+slower: hence the switch per pass above. What AMX's buffer changes is the price: a process each,
+taking turns, 3 rounds, medians at 300 tokens of context: one-token passes 75 ms against 84
+unpacked, 5 rows 156 against 228, 7 rows 182 against 281 (the default mode: 71, 143, 170). Longer
+passes on the reference kernels cost about as much per row as a 7-row one (17 rows 348-395 ms, 33
+rows 710-753: the Q6_K weights' dot product per row), against 271-404 and 486-523 in the default
+mode (docs/measurements.md). This holds only where
 every matrix of the file is Q4_K or Q6_K (the types measured; a Q4_K_M file) and llama.cpp put
 none of them in its CPU_REPACK buffer, whose gemm and gemv kernels round differently
 (`exact_keeps_amx`, `batch_invariant_buffers`).

@@ -78,6 +78,29 @@ def test_in_exact_mode_a_rows_logits_do_not_depend_on_the_batch(exact_rt):
 
 
 @pytest.mark.integration
+def test_in_exact_mode_decode_passes_take_the_reference_kernels_and_prompts_the_fast_ones(exact_rt, monkeypatch):
+    from homespec.llama import runtime
+
+    if not exact_rt.opts.reference_decode:
+        pytest.skip("this llama.cpp build has no reference-kernel switch: exact mode keeps passes below 8 rows")
+    asked: list[bool] = []
+
+    def spy(reference: bool):
+        asked.append(reference)
+        return real(reference)
+
+    real = runtime.pass_kernels
+    monkeypatch.setattr(runtime, "pass_kernels", spy)
+    exact_rt.reset()
+    exact_rt.sync(encode(exact_rt, PROMPTS[0]))  # a prompt: the tiled matmul's speed
+    exact_rt.eval([1000, 1001, 1002], "all")  # a verify pass
+    exact_rt.eval_many([(exact_rt.slot(0), [1003], "all")])  # a decode step among others'
+    exact_rt.eval([1004, 1005], "none")  # a prompt's next chunk
+    assert asked == [False, True, True, False]
+    exact_rt.reset()
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("proposer, k", [("ngram", 16), ("draft", 4)])
 def test_in_exact_mode_greedy_speculation_returns_plain_decodings_tokens(exact_rt, draft_rt, proposer, k):
     k = min(k, longest_pass(exact_rt) - 1)
