@@ -112,9 +112,10 @@ class RuntimeConfig(_Strict):
     # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
     tiled_matmul: bool = Field(True, description="ggml's tiled matmul for passes of 8+ tokens (GGML_CPU_TILED_MM overrides)")
     # Off by default: it gives up repacked weights (AMX's stay, where it is in use: loader.open_target),
-    # and, in a build without the reference-kernel switch (llama/kernels.py), long drafts and wide
-    # passes of several requests (Config.k_limit, Config.max_pass_rows); the
-    # default mode keeps greedy output equal to plain decoding except at near-ties (DESIGN.md).
+    # the tiled matmul's speed for verify passes of 8+ rows (llama/kernels.py: the reference kernels;
+    # on a build without their switch, drafts past 6 tokens), and prompt chunks beside decode rows
+    # (Config.k_limit, Config.max_pass_rows); the default mode keeps greedy output equal to plain
+    # decoding except at near-ties (DESIGN.md).
     exact: bool = Field(False, description="Batch-invariant kernels: greedy output with speculation equals plain decoding bit for bit")
     # Off: a KV stream per slot, as llama-server -np N. Each slot's rows then attend over its own
     # cells only, not (masked) over every slot's: measured on a 2-core Xeon, four requests with

@@ -27,6 +27,11 @@ buffer; with it, in one process per placement taking turns, prompts read as fast
 AMX and one-token steps as fast as without it (README, "The llama.cpp build"), so AMX is on by
 default.
 
+One more change is the wheel's alone (`WHEEL_FIXES`): ggml switches its reference kernels (no
+tiled matmul, no split flash attention, no fused ops) per CPU backend, which llama.cpp does not
+hand out; a process-wide switch beside it lets exact mode run its verify passes on them, pass by
+pass (llama/kernels.py). The bench's peer, a later ggml without that switch, is built without it.
+
 This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
 it imports nothing but the standard library.
 """
