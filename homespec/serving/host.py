@@ -140,8 +140,7 @@ class Host:
         self.cfg = cfg
         self.models = models
         spec = cfg.speculation
-        self._reference = models.target.opts.reference_decode  # exact mode's decode passes on reference kernels
-        k_max = min(cfg.k_limit(self._reference), models.target.n_ctx - 1)
+        k_max = min(self.k_limit, models.target.n_ctx - 1)
         self.ngram_memory = NgramMemory(spec.ngram.memory_tokens) if spec.ngram.memory_tokens else None
         self.controller = Controller(build_proposers(cfg, models, memory=self.ngram_memory), spec.controller, k_max=k_max,
                                      together_rows=max(cfg.server.prefill_chunk // 2, 2))
@@ -349,12 +348,14 @@ class Host:
 
     @property
     def k_limit(self) -> int:
-        """The longest draft this target may verify (Config.k_limit, for its kernels)."""
-        return self.cfg.k_limit(self._reference)
+        """The longest draft this target may verify (Config.k_limit, for its kernels: exact mode's
+        decode passes on the reference ones or not)."""
+        return self.cfg.k_limit(self.models.target.opts.reference_decode)
 
     def batch(self, prefill_chunk: int) -> Batch:
         """A driver for generations running together on this target."""
-        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk, self.cfg.max_pass_rows(self._reference))
+        return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk,
+                     self.cfg.max_pass_rows(self.models.target.opts.reference_decode))
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:
