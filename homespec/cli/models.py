@@ -104,7 +104,27 @@ def _pull(args, cfg, registry, models_dir) -> int:
         else:
             how = f"ok ({result.action})"
         print(f"{entry.name}: {how}", flush=True)
+        if _config_uses(cfg).get(entry.name, "").endswith("draft"):
+            failures += _prepare_draft(cfg)
     return 1 if failures else 0
+
+
+def _prepare_draft(cfg) -> int:
+    """Make the draft's served copy now (models/derived.py), so the daemon's start does not;
+    returns the failures (0 or 1)."""
+    from homespec.errors import ModelError
+    from homespec.models.derived import served_draft
+    from homespec.models.fetch import format_size
+
+    if cfg.models.draft.requantize is None:
+        return 0
+    try:
+        path = served_draft(cfg, cfg.models.draft)
+    except ModelError as e:
+        print(_failed("draft", e), flush=True)
+        return 1
+    print(f"draft served from {path} ({format_size(path.stat().st_size)})", flush=True)
+    return 0
 
 
 def _list(args, cfg, registry, models_dir) -> int:
@@ -129,6 +149,15 @@ def _list(args, cfg, registry, models_dir) -> int:
     print(f"models folder: {models_dir.resolve()}")
     for role, path in _local_refs(cfg):
         print(f"config {role}: local file {path} ({'present' if path.exists() else 'missing'})")
+    draft = cfg.models.draft
+    if draft is not None and draft.requantize is not None:
+        from homespec.models.derived import derived_path, is_current
+        from homespec.models.fetch import model_file
+
+        source = model_file(cfg, draft)
+        served = derived_path(cfg, source, draft.requantize)
+        state = "made" if source.exists() and is_current(served, source, draft.requantize) else "made at the next pull or start"
+        print(f"config draft: served as {draft.requantize} from {served} ({state})")
     return 0
 
 

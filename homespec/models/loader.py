@@ -20,6 +20,7 @@ from homespec.llama.fim import Chunk, infill_prompt
 from homespec.llama.gguf_info import check_tokenizer_compat, read_gguf_info
 from homespec.llama.runtime import Runtime, RuntimeOptions
 from homespec.llama.template import ChatTemplate
+from homespec.models.derived import served_draft
 from homespec.models.fetch import resolve_model_path
 from homespec.mtp.checkpoint import head_window, open_head
 
@@ -89,8 +90,8 @@ class ModelSet:
         """Open the configured draft beside the target (refused if its tokenizer differs)."""
         if self.draft is not None or cfg.models.draft is None:
             return
-        path = resolve_model_path(cfg, cfg.models.draft)
-        check_tokenizer_compat(self.target_path, path)  # raises IncompatibleTokenizer
+        check_tokenizer_compat(self.target_path, resolve_model_path(cfg, cfg.models.draft))  # IncompatibleTokenizer
+        path = served_draft(cfg, cfg.models.draft)
         self.draft = Runtime(path, runtime_options(cfg, cfg.models.draft.n_gpu_layers, self.target.n_ctx, slots=self.target.n_seq, draft=True))
         self.draft_path = path
 

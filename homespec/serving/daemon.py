@@ -29,6 +29,7 @@ from homespec.config import Config, Mode
 from homespec.errors import UserError
 from homespec.llama.gguf_info import read_gguf_info
 from homespec.llama.runtime import Vocabulary
+from homespec.models.derived import served_draft
 from homespec.models.fetch import resolve_model_path, state_dir
 from homespec.models.loader import ModelSet
 from homespec.models.memory import LoadPlan, kv_cells, pair_footprints, plan_load, read_headroom
@@ -409,7 +410,8 @@ class Daemon:
         """memory.policy applied to the estimated footprints; raises InsufficientMemory."""
         cfg = self.cfg
         target = read_gguf_info(resolve_model_path(cfg, cfg.models.target))
-        draft = read_gguf_info(resolve_model_path(cfg, cfg.models.draft)) if cfg.models.draft else None
+        # The file the draft is served from: its own size and types.
+        draft = read_gguf_info(served_draft(cfg, cfg.models.draft)) if cfg.models.draft else None
         at = pair_footprints(
             target,
             draft,

@@ -21,7 +21,14 @@ def target_rt():
 
 @pytest.fixture(scope="session")
 def draft_rt():
-    rt = Runtime(require(DRAFT), OPTS)
+    """The draft as the daemon serves it by default: requantized to Q4_0 (models/derived.py),
+    made in models/ beside the published file once per checkout."""
+    from homespec.config import Config, DraftRef, ModelsConfig
+    from homespec.models.derived import served_draft
+    from tests.conftest import MODELS
+
+    cfg = Config(models=ModelsConfig(dir=MODELS, draft=DraftRef(path=require(DRAFT))))
+    rt = Runtime(served_draft(cfg, cfg.models.draft), OPTS)
     yield rt
     rt.close()
 

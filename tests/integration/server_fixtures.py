@@ -22,6 +22,7 @@ import uvicorn
 from homespec.config import (
     Config,
     ControllerConfig,
+    DraftRef,
     MemoryConfig,
     ModelRef,
     ModelsConfig,
@@ -46,7 +47,7 @@ READY_TIMEOUT_S = 600
 def server_config(**server: object) -> Config:
     """Light settings for tests: 1k context, small queue and body limit, a short warm-up."""
     return Config(
-        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=ModelRef(path=require(DRAFT))),
+        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=DraftRef(path=require(DRAFT))),
         runtime=RuntimeConfig(n_ctx=N_CTX, n_batch=256),
         speculation=SpeculationConfig(k_max=8, controller=ControllerConfig(warmup_passes=1)),
         sampling=SamplingDefaults(max_tokens=64),

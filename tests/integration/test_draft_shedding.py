@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig
+from homespec.config import Config, DraftRef, ModelRef, ModelsConfig, RuntimeConfig
 from homespec.serving.host import GenerationRequest, Host, UnknownMode
 from tests.conftest import DRAFT, ROOT, TARGET, require
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 def test_unloading_the_draft_keeps_serving_and_reloading_restores_it():
     cfg = Config(
-        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=ModelRef(path=require(DRAFT))),
+        models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=DraftRef(path=require(DRAFT))),
         runtime=RuntimeConfig(n_ctx=512, n_batch=128),
         base_dir=ROOT,
     )

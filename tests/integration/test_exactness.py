@@ -73,10 +73,9 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
 def test_self_speculation_accepts_nearly_everything(draft_rt):
     """The 0.5B drafting for itself: any rejection can only come from batch noise."""
     from homespec.llama.runtime import Runtime
-    from tests.conftest import DRAFT
     from tests.integration.conftest import OPTS
 
-    twin = Runtime(DRAFT, OPTS)
+    twin = Runtime(draft_rt.path, OPTS)
     try:
         engine = Engine(draft_rt)
         policy = FixedPolicy(DraftProposer(twin, draft_rt.n_vocab), 4)

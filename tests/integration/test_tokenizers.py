@@ -24,12 +24,12 @@ def test_smollm_draft_is_refused_with_a_message_naming_the_difference():
 
 @pytest.mark.integration
 def test_loading_an_incompatible_draft_fails_before_loading_weights(tmp_path):
-    from homespec.config import Config, ModelRef
+    from homespec.config import Config, DraftRef, ModelRef
     from homespec.models.loader import load_model_set
 
     cfg = Config()
     cfg.models.target = ModelRef(path=require(TARGET))
-    cfg.models.draft = ModelRef(path=require(SMOLLM))
+    cfg.models.draft = DraftRef(path=require(SMOLLM))
     with pytest.raises(IncompatibleTokenizer):
         load_model_set(cfg)
 
