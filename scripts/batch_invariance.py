@@ -60,6 +60,7 @@ def run_mode(mode: str, tokens: int) -> dict:
     from homespec.config import Config
     from homespec.llama.runtime import Runtime
     from homespec.llama.template import ChatTemplate
+    from homespec.models.derived import served_draft
     from homespec.models.fetch import resolve_model_path
     from homespec.models.loader import open_target, runtime_options
     from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
@@ -71,7 +72,7 @@ def run_mode(mode: str, tokens: int) -> dict:
     cfg.base_dir = ROOT
     cfg.runtime.exact = mode != "default"
     target = open_target(cfg, resolve_model_path(cfg, cfg.models.target), 2048, amx=mode != "exact-unpacked")
-    draft = Runtime(resolve_model_path(cfg, cfg.models.draft), runtime_options(cfg, 0, 2048, draft=True))
+    draft = Runtime(served_draft(cfg, cfg.models.draft), runtime_options(cfg, 0, 2048, draft=True))
     tmpl = ChatTemplate(target.chat_template)
     engine = Engine(target)
     k = min(16, cfg.k_limit(target.opts.reference_decode))

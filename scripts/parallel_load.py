@@ -252,13 +252,14 @@ def start_peers(stack: ExitStack, args: argparse.Namespace, config: Path) -> dic
     """One llama-server -np N per setting, on the model files homespec's config names."""
     from homespec.config import load_config
     from homespec.llama.runtime import physical_cores
+    from homespec.models.derived import served_draft
     from homespec.models.fetch import resolve_model_path
     from homespec.serving import peer_build
     from homespec.serving.peer import LlamaServer, peer_settings, select_settings
 
     cfg = load_config(config)
     binary = args.peer_bin or peer_build.build()
-    draft = resolve_model_path(cfg, cfg.models.draft) if cfg.models.draft else None
+    draft = served_draft(cfg, cfg.models.draft) if cfg.models.draft else None  # the file homespec drafts with
     clients = {}
     for setting in select_settings(args.peer_settings, peer_settings(draft)):
         server = stack.enter_context(LlamaServer(binary, resolve_model_path(cfg, cfg.models.target), setting,
