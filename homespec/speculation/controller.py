@@ -46,8 +46,12 @@ probe offered as well, and a choice on merit under other evidence does not clear
 prompt lookup's rare long copies are drafted on merit, and its 2-token matches, probed and
 rejected again and again, would otherwise come back every explore_every steps after each copy
 (scripts/controller_replay.py on the 46 recorded outputs, three measured 2-core curves: code
-+0.4 to +1.3 %, edit +0.3 to +1.5 %, chat -0.5 to +0.9 %). The rule uses no randomness: the
-same observations give the same decisions.
++0.4 to +1.3 %, edit +0.3 to +1.5 %, chat -0.5 to +0.9 %). A proposer never observed under a
+key is probed at its first chance, outside the budget, when catching it up costs under
+UNSEEN_CATCHUP_S: its acceptance is unknown rather than known to be low, and the budget, a share
+of the generation time so far, is empty in the first answers after a start (the Q4_0 draft,
+accepted ~0.8 on code, waited through most of the bench's first code answer). The rule uses no
+randomness: the same observations give the same decisions.
 
 How this differs from transformers' assisted generation (`num_assistant_tokens` +2 on full
 acceptance, -1 otherwise): that heuristic targets acceptance and ignores cost, so on a CPU it
@@ -94,6 +98,9 @@ SHARED_ROWS = 4
 # Prompt-lookup matches into the prompt at least this long (tokens, a match bucket's lower end)
 # are copies whose acceptance is pooled over positions (_pooled).
 POOLED_COPY_MATCH = 8
+# A proposer never observed under a key is probed at its first chance if catching it up costs at
+# most this (seconds): the Q4_0 draft reads a 300-token prompt in ~1 s on 2 cores.
+UNSEEN_CATCHUP_S = 1.0
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -614,19 +621,25 @@ class Controller:
             p
             for p, o in options.items()
             if p != best.proposer
-            and self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self._failed(p, o.key), MAX_BACKOFF)
+            and (self._unseen(o) or self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self._failed(p, o.key), MAX_BACKOFF))
             and self._best(p, o.k, o.key, np.full(self.k_max, PROBE_ACCEPTANCE)).rate >= self._bar(plain)
         ]
         if not stale:
             return None
-        p = min(stale, key=lambda q: (self.last_tried[q], q))  # the longest untried; ties by name
+        p = min(stale, key=lambda q: (not self._unseen(options[q]), self.last_tried[q], q))  # unseen first, then the longest untried
         o = options[p]
         k = min(o.k, 4)  # enough positions to learn from, cheaply
         probe = self._candidate(p, k, expected_emitted(self._rates(o)))
         expected_cost = o.switch_s + max(0.0, probe.seconds - probe.tokens * plain.seconds / plain.tokens)
-        if self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
+        if not self._unseen(o) and self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
         return probe
+
+    def _unseen(self, o: Option) -> bool:
+        """Never observed under this key, and cheap to catch up: its acceptance is unknown, not
+        known to be low, so it is probed at once rather than when the budget has grown (the first
+        answers after a start have none). Once per key and daemon; a long catch-up waits."""
+        return self.acc.observations(o.key) == 0 and o.switch_s <= UNSEEN_CATCHUP_S
 
     def _failed(self, proposer: str, key: AcceptanceKey) -> int:
         """Doublings of the probe interval for a proposer offering this evidence: its failed

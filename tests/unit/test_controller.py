@@ -175,6 +175,24 @@ def test_a_proposer_that_cannot_pay_even_when_always_right_is_never_probed():
     assert c.begin([1, 2, 3]) == []
 
 
+def test_a_draft_never_seen_is_probed_at_its_first_chance_and_then_kept_where_it_pays():
+    # A cheap draft accepted 0.9 of the time, but the prior (0.5) says it loses: before, it waited
+    # for a budget the first answers had not built up and they decoded plainly.
+    m = Machine(xeon_cost, {"draft": 0.9}, draft_s=0.014, ngram_cont=0)
+    c = m.controller(proposers=("draft",))
+    steps = m.run(c, 40)
+    assert steps[0].proposer == "draft"  # the probe, at once
+    assert sum(s.proposer == "draft" for s in steps) >= 30
+
+
+def test_a_draft_never_seen_waits_for_the_budget_when_catching_up_is_long():
+    m = Machine(xeon_cost, {"draft": 0.9}, draft_s=0.014, ngram_cont=0)
+    c = m.controller(proposers=("draft",))
+    c.cost.catchup_s["draft"] = 0.003
+    c.proposers["draft"].behind = 2000  # a long prompt unread: 6 s to catch up
+    assert all(s.proposer == OFF for s in m.run(c, 20))
+
+
 def test_a_draft_reads_the_prompt_only_when_the_tokens_left_can_pay_its_prefill_back():
     m = Machine(gpu_cost, {"draft": 0.95}, draft_s=0.002, ngram_cont=0)
     c = m.controller(proposers=("draft",))
