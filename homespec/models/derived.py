@@ -46,7 +46,7 @@ def derived_path(cfg: Config, source: Path, qtype: str) -> Path:
     return folder / f"{source.stem}.{qtype}.gguf"
 
 
-def stamp_path(path: Path) -> Path:
+def _stamp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.derived")
 
 
@@ -61,7 +61,7 @@ def _identity(source: Path, qtype: str) -> dict[str, object]:
 def is_current(path: Path, source: Path, qtype: str) -> bool:
     """True when `path` is the file this stamp describes, made from `source` as it is now."""
     try:
-        record = json.loads(stamp_path(path).read_text())
+        record = json.loads(_stamp_path(path).read_text())
         st = path.stat()
     except (OSError, ValueError):
         return False
@@ -83,7 +83,7 @@ def make_derived(source: Path, dest: Path, qtype: str, threads: int) -> float:
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
-    save_json(stamp_path(dest), {"key": file_key(dest.stat()), "made_from": _identity(source, qtype)})
+    save_json(_stamp_path(dest), {"key": file_key(dest.stat()), "made_from": _identity(source, qtype)})
     return time.perf_counter() - t0
 
 

@@ -617,21 +617,22 @@ class Controller:
         if self.req.alongside:
             return None
         plain = self._plain()
+        unseen = {p: self._unseen(o) for p, o in options.items()}
         stale = [
             p
             for p, o in options.items()
             if p != best.proposer
-            and (self._unseen(o) or self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self._failed(p, o.key), MAX_BACKOFF))
+            and (unseen[p] or self.step_no - self.last_tried[p] >= self.cfg.explore_every << min(self._failed(p, o.key), MAX_BACKOFF))
             and self._best(p, o.k, o.key, np.full(self.k_max, PROBE_ACCEPTANCE)).rate >= self._bar(plain)
         ]
         if not stale:
             return None
-        p = min(stale, key=lambda q: (not self._unseen(options[q]), self.last_tried[q], q))  # unseen first, then the longest untried
+        p = min(stale, key=lambda q: (not unseen[q], self.last_tried[q], q))  # unseen first, then the longest untried
         o = options[p]
         k = min(o.k, 4)  # enough positions to learn from, cheaply
         probe = self._candidate(p, k, expected_emitted(self._rates(o)))
         expected_cost = o.switch_s + max(0.0, probe.seconds - probe.tokens * plain.seconds / plain.tokens)
-        if not self._unseen(o) and self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
+        if not unseen[p] and self.explore_s + expected_cost > EXPLORE_BUDGET * self.total_s:
             return None
         return probe
 
