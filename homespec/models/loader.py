@@ -134,6 +134,7 @@ def runtime_options(
         kv_unified=r.kv_unified,
         tiled_matmul=r.tiled_matmul,
         reference_decode=r.exact and reference_decode,
+        fill_stream_gaps=not r.exact,
     )
 
 

@@ -68,6 +68,35 @@ def test_rows_of_several_sequences_in_one_pass_match_each_sequence_alone(models,
         rt.slot(i).reset()
 
 
+def test_a_pass_that_skips_a_slot_bridges_it_with_a_row_and_leaves_its_cache_as_it_was(models) -> None:
+    rt, _ = models
+    prompts = [encode(rt, t) for t in PROMPTS[:3]]
+    for i, p in enumerate(prompts):
+        rt.slot(i).reset()
+        rt.slot(i).eval(p[:-1], "none")
+    idle = rt.slot(1)
+    before = idle.eval(prompts[1][-1:], "all").copy()  # [1, vocab]
+    idle.truncate(len(prompts[1]) - 1)
+    passes = []
+    real = rt._eval_many
+
+    def recording(parts):
+        passes.append([(slot.seq, len(toks), out) for slot, toks, out in parts])
+        return real(parts)
+
+    rt._eval_many = recording  # type: ignore[method-assign]
+    try:
+        rows = rt.eval_many([(rt.slot(2), prompts[2][-1:], "all"), (rt.slot(0), prompts[0][-1:], "all")])
+    finally:
+        del rt._eval_many
+    assert passes == [[(0, 1, "all"), (1, 1, "none"), (2, 1, "all")]]  # one run of neighbours: one graph
+    assert [r.shape for r in rows] == [(1, rt.n_vocab)] * 2  # the caller's parts, in its order
+    assert idle.tokens == prompts[1][:-1]
+    assert np.array_equal(idle.eval(prompts[1][-1:], "all"), before)  # nothing of the throwaway row is left
+    for i in range(3):
+        rt.slot(i).reset()
+
+
 def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_ties(models, epsilon) -> None:
     rt, draft = models
     prompts = [encode(rt, t) for t in PROMPTS]

@@ -9,6 +9,7 @@ import pytest
 from homespec.config import Config
 from homespec.llama import kernels
 from homespec.llama.kernels import EXACT_MAX_ROWS, TILED_ENV, TILED_MIN_ROWS, batch_invariant_buffers, exact_keeps_amx
+from homespec.llama.runtime import stream_gaps
 from homespec.models import loader
 from homespec.models.loader import runtime_options
 
@@ -179,3 +180,18 @@ def test_a_build_without_the_switch_cannot_run_a_pass_on_reference_kernels(monke
     with pytest.raises(RuntimeError, match="make install"):
         with kernels.pass_kernels(reference=True):
             pass
+
+
+def test_a_pass_bridges_the_streams_missing_between_its_slots_and_no_others():
+    assert stream_gaps([0, 2, 3]) == [1]
+    assert stream_gaps([3, 1]) == [2]
+    assert stream_gaps([1, 2, 3]) == []  # a run of neighbours is one graph already
+    assert stream_gaps([2]) == stream_gaps([]) == []
+
+
+def test_exact_mode_adds_no_throwaway_rows_since_its_narrow_passes_count_their_rows():
+    cfg = Config()
+    assert runtime_options(cfg, 0).fill_stream_gaps
+    cfg.runtime.exact = True
+    assert not runtime_options(cfg, 0).fill_stream_gaps
+    assert runtime_options(cfg, 0, draft=True).fill_stream_gaps  # the draft's passes are not verified rows
