@@ -143,7 +143,8 @@ class Host:
         k_max = min(self.k_limit, models.target.n_ctx - 1)
         self.ngram_memory = NgramMemory(spec.ngram.memory_tokens) if spec.ngram.memory_tokens else None
         self.controller = Controller(build_proposers(cfg, models, memory=self.ngram_memory), spec.controller, k_max=k_max,
-                                     together_rows=max(cfg.server.prefill_chunk // 2, 2))
+                                     together_rows=max(cfg.server.prefill_chunk // 2, 2),
+                                     split_steps=not models.target.shares_cells)
         self.engine = Engine(models.target)
         # Proposer instances of the slots other than 0 (slot 0 uses the controller's registry).
         self._slot_proposers: dict[int, dict[str, Proposer]] = {}
@@ -355,7 +356,8 @@ class Host:
     def batch(self, prefill_chunk: int) -> Batch:
         """A driver for generations running together on this target."""
         return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk,
-                     self.cfg.max_pass_rows(self.models.target.opts.reference_decode))
+                     self.cfg.max_pass_rows(self.models.target.opts.reference_decode),
+                     split_steps=not self.models.target.shares_cells)
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:

@@ -25,8 +25,9 @@ pass for seconds). Every request then computes exactly the rows it would compute
 KV stream per sequence (the default; exact mode needs it) llama.cpp runs a pass as one graph per
 run of neighbouring slots with steps of equal length (runtime.py eval_many). A narrow pass
 often holds steps of unequal length, so its time is no measure of one pass of its rows and
-teaches the cost model nothing. A wide pass does teach it: what a pass of that many rows cost,
-split graphs included, which is what a draft that splits it costs beside others.
+teaches the cost model nothing; nor, with streams (`split_steps`), does a wide pass of steps of
+unequal length: the controller prices a draft that splits a pass as the pass of its own it
+makes (controller.py, split_steps), and the shared curve learns from passes of one graph.
 """
 
 from __future__ import annotations
@@ -70,11 +71,15 @@ class RoundStats:
 class Batch:
     """The running generations of one target; not thread-safe (the daemon's worker drives it)."""
 
-    def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int, max_rows: int | None = None) -> None:
+    def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int, max_rows: int | None = None,
+                 split_steps: bool = False) -> None:
         self.eval_many = eval_many
         self.n_batch = n_batch  # tokens per llama_decode at most
         self.prefill_chunk = prefill_chunk  # prompt tokens per round at most (all prompts together)
         self.max_rows = max_rows  # decode rows per pass at most, prompts in passes of their own; None: wide
+        # A KV stream per sequence: a pass of steps of different lengths runs as several graphs
+        # (runtime.py eval_many) and its time is no pass of its rows (module docstring).
+        self.split_steps = split_steps
         self._read_last = False  # narrow passes: the last round read a prompt (decodes go next)
         self._running: dict[Hashable, _Running] = {}
         self._admitted = 0
@@ -141,7 +146,7 @@ class Batch:
         # ... and, from each one's last decision, the draft it would make alone (None: it would
         # not, or it reads a prompt): when all the others would, drafting together may pay.
         keen = {o.key: self._keen(o) for o in self._running.values()}
-        teaches = True  # (see p.timed)
+        teaches = not self.split_steps or len({len(toks) for _, toks, _ in parts}) == 1  # one graph (see p.timed)
         for (r, toks, _), logits in zip(parts, outs):
             p = r.pending
             assert p is not None
@@ -196,7 +201,8 @@ class Batch:
         if not others or len(drafts) < len(others):
             return Beside(rows)
         return Beside(rows, Keen(sum(w.requests for w in drafts), sum(w.rows for w in drafts),
-                                 sum(w.tokens for w in drafts), sum(w.draft_s for w in drafts)))
+                                 sum(w.tokens for w in drafts), sum(w.draft_s for w in drafts),
+                                 max(w.longest or -(-w.rows // w.requests) for w in drafts)))
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and

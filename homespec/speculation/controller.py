@@ -203,9 +203,16 @@ class Controller:
         cfg: ControllerConfig = ControllerConfig(),
         k_max: int = 16,
         together_rows: int | None = None,
+        split_steps: bool = False,
     ) -> None:
         self.cfg = cfg
         self.k_max = k_max
+        # The target keeps a KV stream per sequence: llama.cpp runs a pass whose requests bring
+        # steps of different lengths as several graphs, so a draft beside plain rows is a pass
+        # of its own (_seconds). On a 2-core Xeon (300 tokens of history each) a 5-row step beside
+        # three 1-row steps took 272 ms: the four plain rows' 126 and a 4-row pass's 122, where
+        # one graph of the same rows (a unified cache) took 186.
+        self.split_steps = split_steps
         # Rows a pass of several requests drafting together may hold (None: no bound). A request
         # that arrives waits for the pass being run: the daemon keeps that within about what a
         # prompt chunk holds it (Host: half of server.prefill_chunk's rows, since a verify row,
@@ -378,7 +385,7 @@ class Controller:
             log.debug("beside %d rows: %s; best k per proposer: %s", alongside, reason,
                       ", ".join(f"{p} k={c.k} {c.rate / plain.rate:.2f}x" for p, c in best_of.items()) or "none")
         # What this request would draft alone, for the requests beside it (Pass.keen, batch.py).
-        mine = Keen(1, wish.k + 1, wish.tokens, float(self.cost.propose(wish.proposer, wish.k))) if wish is not None else None
+        mine = Keen(1, wish.k + 1, wish.tokens, float(self.cost.propose(wish.proposer, wish.k)), wish.k + 1) if wish is not None else None
         if best.proposer == OFF:
             return Decision(None, 0, mine)
         self.last_tried[best.proposer] = self.step_no
@@ -515,9 +522,21 @@ class Controller:
         cut = min(1.0, keen.requests * share / keen.rows)
         rows, tokens, draft_s = round(keen.rows * cut), keen.tokens * cut, keen.draft_s * cut  # the others' drafts, cut
         plain_rate = (1 + keen.requests) / passes.verify(1 + keen.requests)
-        best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + draft_s)
+        plain_s = passes.verify(rows + 1)  # this request's plain row beside their drafts
+        each = None  # rows every step must bring (streams), None: any
+        if self.split_steps:
+            # Streams: steps of unequal length run as several graphs (a 2-core Xeon: 5, 1, 1 and 1
+            # rows 272 ms, nearly the 292 of four steps of 5 rows), so only steps all as long as
+            # theirs make one pass of their rows: join theirs when they are equal, else decode plainly.
+            longest = keen.longest or -(-keen.rows // keen.requests)
+            each = min(longest, share)
+            if longest * keen.requests != keen.rows or each < 2:
+                return None, ""
+            plain_s = passes.verify(1 + keen.requests) + passes.verify(keen.requests * (each - 1))
+        best, best_rate = None, (1 + tokens) / (plain_s + draft_s)
         for p, o in options.items():
-            ks = np.arange(1, min(o.k, share - 1) + 1)
+            top = min(o.k, share - 1)
+            ks = np.arange(1, top + 1) if each is None else np.arange(each - 1, min(each - 1, top) + 1)
             if not ks.size:
                 continue
             emitted = expected_emitted(self._rates(o))  # [k_max + 1]
@@ -584,8 +603,15 @@ class Controller:
 
     def _seconds(self, p: str, k: int | np.ndarray, switch_s: float = 0.0) -> float | np.ndarray:
         """Expected seconds of a step drafting k tokens with p (k: an int, or an array of draft
-        lengths priced at once); beside other requests, what it adds to their pass."""
-        return self._passes().added(k + 1, self.req.alongside) + self.cost.propose(p, k) + switch_s
+        lengths priced at once); beside other requests, what it adds to their pass: with a KV
+        stream per sequence (split_steps) its first row joins their graph and its k drafted rows
+        make a graph of their own, a pass of k rows of one request."""
+        b = self.req.alongside
+        if b and self.split_steps:
+            passes = self._passes().added(1, b) + np.where(np.asarray(k) > 0, self.cost.verify(k), 0.0)
+        else:
+            passes = self._passes().added(k + 1, b)
+        return passes + self.cost.propose(p, k) + switch_s
 
     def _rate(self, p: str, emitted: np.ndarray, ks: np.ndarray, switch_s: float = 0.0) -> np.ndarray:
         """[len(ks)] expected tokens/s of steps drafting each of ks with p, priced at once (this

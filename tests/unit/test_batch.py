@@ -320,7 +320,7 @@ def test_a_request_hears_of_the_others_drafts_only_when_every_other_request_woul
         batch.add(key, Engine(rt.slot("abc".index(key))).steps(PROMPTS["abc".index(key)], max_tokens=40, policy=policy))
     for _ in range(3):
         round_events(batch)
-    assert a.keen[-1] == Keen(2, 14, 10.5, 0.01)  # b and c would both draft
+    assert a.keen[-1] == Keen(2, 14, 10.5, 0.01, 9)  # b and c would both draft; b's step is the longest
     assert b.keen[-1] is None and c.keen[-1] is None  # a would not
     batch.add("reader", Engine(rt.slot(3)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
     round_events(batch)
@@ -335,9 +335,10 @@ def test_a_request_hears_of_the_others_drafts_only_when_every_other_request_woul
     assert d.keen and all(k is None for k in d.keen)
 
 
-def test_a_shared_pass_teaches_the_cost_model_once_not_once_per_request_in_it() -> None:
+@pytest.mark.parametrize("split_steps", [False, True])
+def test_a_shared_pass_teaches_the_cost_model_once_not_once_per_request_in_it(split_steps: bool) -> None:
     rt = FakeRuntime(n_seq=3, n_ctx=1024)
-    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32, split_steps=split_steps)  # (plain steps: one graph)
     recorders = [Recorder() for _ in range(3)]
     for i, rec in enumerate(recorders):
         batch.add(i, Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=40, policy=rec))
@@ -453,3 +454,27 @@ def test_a_narrow_pass_of_several_sequences_teaches_no_verify_cost_and_a_lone_on
     steps = policies[0].steps + policies[1].steps
     assert any(s.pass_rows == 2 for s in steps) and any(s.pass_rows == 1 for s in steps)
     assert all(s.timed == (s.pass_rows == 1) for s in steps)  # plain steps: 1 row each
+
+
+def test_in_streams_a_pass_of_steps_of_unequal_length_teaches_no_pass_cost() -> None:
+    """With a KV stream per sequence llama.cpp runs steps of unequal length as several graphs:
+    such a pass is no pass of its rows, and the shared curve learns only from one-graph passes."""
+    class Recording(Alternating):
+        def __init__(self, proposer) -> None:
+            super().__init__(proposer)
+            self.steps: list[StepStats] = []
+
+        def observe(self, step: StepStats) -> None:
+            self.steps.append(step)
+
+    for split in (True, False):
+        rt, draft = FakeRuntime(n_seq=2, n_ctx=1024), FakeRuntime(n_seq=2)
+        batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=64, split_steps=split)
+        a, b = Recording(DraftProposer(draft.slot(0), rt.n_vocab)), Recording(DraftProposer(draft.slot(1), rt.n_vocab))
+        b.rows.append(1)  # b drafts on the other steps: 4 + 1 rows, then 1 + 4
+        batch.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=30, policy=a))
+        batch.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=30, policy=b))
+        for _ in range(6):
+            round_events(batch)
+        shared = [s for s in a.steps + b.steps if s.pass_rows == 5]
+        assert shared and sum(s.timed for s in shared) == (0 if split else len(shared) // 2)

@@ -635,3 +635,30 @@ def test_a_long_copy_of_the_prompt_drafts_long_again_after_one_early_failure_tho
     c.observe(StepStats("ngram", 3, 3, 1, 0.0, epyc_bench_cost(4), (True, False), info))
     ks = drafts_kept_whole(c, prompt + [1] * 40, info, epyc_bench_cost, 12)
     assert ks[-1] == 16, ks
+
+
+def test_in_streams_a_draft_beside_plain_rows_is_priced_as_the_pass_of_its_own_it_makes() -> None:
+    """On a flat curve a draft's rows cost almost nothing in one graph with the others' (the
+    test above); with a KV stream per sequence they are a second graph, a whole pass."""
+    m = Machine(lambda n: 0.020, {"ngram": 0.7}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 300)
+    assert c.decide(m.ctx, alongside=3).k > 0
+    c.split_steps = True
+    assert c.decide(m.ctx, alongside=3).k == 0
+    assert c.decide(m.ctx).k > 0  # alone, a pass is one graph
+
+
+def test_in_streams_requests_draft_together_only_in_steps_as_long_as_each_of_the_others() -> None:
+    m = Machine(cpu_cost, {"ngram": 0.95}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    c.split_steps = True
+    m.run(c, 300)
+    lone = c.decide(m.ctx)
+    rows = lone.keen.rows
+    equal = Keen(3, 3 * rows, 3 * lone.keen.tokens, longest=rows)
+    assert c.decide(m.ctx, alongside=3, keen=equal).k == rows - 1 and "together" in c.view.reason
+    unequal = Keen(3, 3 * rows - 2, 3 * lone.keen.tokens, longest=rows)  # one of them drafts 2 fewer
+    assert c.decide(m.ctx, alongside=3, keen=unequal).k == 0
+    c.split_steps = False  # one graph whatever the lengths: that pass pays
+    assert c.decide(m.ctx, alongside=3, keen=unequal).k > 0
