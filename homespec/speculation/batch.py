@@ -201,8 +201,7 @@ class Batch:
         if not others or len(drafts) < len(others):
             return Beside(rows)
         return Beside(rows, Keen(sum(w.requests for w in drafts), sum(w.rows for w in drafts),
-                                 sum(w.tokens for w in drafts), sum(w.draft_s for w in drafts),
-                                 max(w.longest or -(-w.rows // w.requests) for w in drafts)))
+                                 sum(w.tokens for w in drafts), sum(w.draft_s for w in drafts)))
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and

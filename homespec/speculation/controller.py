@@ -385,7 +385,7 @@ class Controller:
             log.debug("beside %d rows: %s; best k per proposer: %s", alongside, reason,
                       ", ".join(f"{p} k={c.k} {c.rate / plain.rate:.2f}x" for p, c in best_of.items()) or "none")
         # What this request would draft alone, for the requests beside it (Pass.keen, batch.py).
-        mine = Keen(1, wish.k + 1, wish.tokens, float(self.cost.propose(wish.proposer, wish.k)), wish.k + 1) if wish is not None else None
+        mine = Keen(1, wish.k + 1, wish.tokens, float(self.cost.propose(wish.proposer, wish.k))) if wish is not None else None
         if best.proposer == OFF:
             return Decision(None, 0, mine)
         self.last_tried[best.proposer] = self.step_no
@@ -497,6 +497,11 @@ class Controller:
     # questions at once): each priced alone, the first drafted and the other three then decoded
     # ~120 passes of 3 plain rows (~100 ms each) rather than one pass of ~190. Such a pass is
     # bounded (together_rows), as a prompt chunk is, for the requests that arrive meanwhile.
+    # With a KV stream per sequence (split_steps) such a pass of unequal drafts runs as several
+    # graphs; it is still priced as one. Pricing it as every step padded to the longest, or
+    # letting a request join only steps as long as its own, measured no better within this VM's
+    # noise (2-core Xeon, 2026-12-06: four repeated questions at once 39-59 tok/s in-process with
+    # any of the three), and drafts kept whole pay even split.
 
     def _alone(self, options: Mapping[str, Option]) -> Candidate | None:
         """The draft this request would make were it alone (None: it would decode plainly)."""
@@ -522,21 +527,9 @@ class Controller:
         cut = min(1.0, keen.requests * share / keen.rows)
         rows, tokens, draft_s = round(keen.rows * cut), keen.tokens * cut, keen.draft_s * cut  # the others' drafts, cut
         plain_rate = (1 + keen.requests) / passes.verify(1 + keen.requests)
-        plain_s = passes.verify(rows + 1)  # this request's plain row beside their drafts
-        each = None  # rows every step must bring (streams), None: any
-        if self.split_steps:
-            # Streams: steps of unequal length run as several graphs (a 2-core Xeon: 5, 1, 1 and 1
-            # rows 272 ms, nearly the 292 of four steps of 5 rows), so only steps all as long as
-            # theirs make one pass of their rows: join theirs when they are equal, else decode plainly.
-            longest = keen.longest or -(-keen.rows // keen.requests)
-            each = min(longest, share)
-            if longest * keen.requests != keen.rows or each < 2:
-                return None, ""
-            plain_s = passes.verify(1 + keen.requests) + passes.verify(keen.requests * (each - 1))
-        best, best_rate = None, (1 + tokens) / (plain_s + draft_s)
+        best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + draft_s)
         for p, o in options.items():
-            top = min(o.k, share - 1)
-            ks = np.arange(1, top + 1) if each is None else np.arange(each - 1, min(each - 1, top) + 1)
+            ks = np.arange(1, min(o.k, share - 1) + 1)
             if not ks.size:
                 continue
             emitted = expected_emitted(self._rates(o))  # [k_max + 1]

@@ -98,7 +98,6 @@ class Keen(NamedTuple):
     rows: int  # their steps' rows (each step's last token and draft), together
     tokens: float  # the tokens they expect to keep, bonus tokens included, together
     draft_s: float = 0.0  # seconds their proposing takes, together
-    longest: int = 0  # rows of the longest of their steps (0: not known, the mean's)
 
 
 class Beside(NamedTuple):

@@ -320,7 +320,7 @@ def test_a_request_hears_of_the_others_drafts_only_when_every_other_request_woul
         batch.add(key, Engine(rt.slot("abc".index(key))).steps(PROMPTS["abc".index(key)], max_tokens=40, policy=policy))
     for _ in range(3):
         round_events(batch)
-    assert a.keen[-1] == Keen(2, 14, 10.5, 0.01, 9)  # b and c would both draft; b's step is the longest
+    assert a.keen[-1] == Keen(2, 14, 10.5, 0.01)  # b and c would both draft
     assert b.keen[-1] is None and c.keen[-1] is None  # a would not
     batch.add("reader", Engine(rt.slot(3)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
     round_events(batch)

@@ -647,18 +647,3 @@ def test_in_streams_a_draft_beside_plain_rows_is_priced_as_the_pass_of_its_own_i
     c.split_steps = True
     assert c.decide(m.ctx, alongside=3).k == 0
     assert c.decide(m.ctx).k > 0  # alone, a pass is one graph
-
-
-def test_in_streams_requests_draft_together_only_in_steps_as_long_as_each_of_the_others() -> None:
-    m = Machine(cpu_cost, {"ngram": 0.95}, seed=3)
-    c = m.controller(proposers=("ngram",))
-    c.split_steps = True
-    m.run(c, 300)
-    lone = c.decide(m.ctx)
-    rows = lone.keen.rows
-    equal = Keen(3, 3 * rows, 3 * lone.keen.tokens, longest=rows)
-    assert c.decide(m.ctx, alongside=3, keen=equal).k == rows - 1 and "together" in c.view.reason
-    unequal = Keen(3, 3 * rows - 2, 3 * lone.keen.tokens, longest=rows)  # one of them drafts 2 fewer
-    assert c.decide(m.ctx, alongside=3, keen=unequal).k == 0
-    c.split_steps = False  # one graph whatever the lengths: that pass pays
-    assert c.decide(m.ctx, alongside=3, keen=unequal).k > 0
