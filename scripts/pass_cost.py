@@ -10,7 +10,11 @@ pays much. It runs again at once with huge pages asked for where the daemon woul
 (hugepages.environ_with_huge_pages); PYTHONPATH may point at another llama_cpp build.
 
     .venv/bin/python scripts/pass_cost.py [--history 1000] [--rounds 6] [--no-repack] [--rows 1,5,17,33]
-                                          [--flash-attn on|off]
+                                          [--flash-attn on|off] [--layouts "1,0,1,1;5,1,1,1"] [--kv-unified]
+
+--layouts times passes of given rows per slot (0: the slot sits out), as several requests'
+steps make them: with a KV stream per sequence (the default) llama.cpp runs steps of unequal
+length, or slots with a gap between them, as several graphs; --kv-unified times one buffer.
 """
 
 from __future__ import annotations
@@ -42,14 +46,19 @@ def main() -> None:
                     help=f"comma-separated pass sizes of one sequence (1 is always timed; default {','.join(map(str, ROWS))})")
     ap.add_argument("--flash-attn", choices=["on", "off"], default="off",
                     help="llama.cpp's flash attention (runtime.flash_attn; default off, as the daemon)")
+    ap.add_argument("--layouts", type=lambda s: [[int(x) for x in part.split(",")] for part in s.split(";")], default=[],
+                    help="semicolon-separated passes, each the rows of slots 0.. (0: sits out), e.g. 1,0,1,1;5,1,1,1")
+    ap.add_argument("--kv-unified", action="store_true", help="one KV buffer for all sequences (runtime.kv_unified)")
     args = ap.parse_args()
+    if any(len(layout) > max(SEQS) or not any(layout) for layout in args.layouts):
+        ap.error(f"--layouts: each pass names 1 to {max(SEQS)} slots' rows, some of them > 0")
     env = environ_with_huge_pages()  # None: already asked for, or nothing to change here
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     rng = random.Random(0)
     rt = Runtime(
         TARGET,
-        RuntimeOptions(n_ctx=4096, n_seq=max(SEQS), n_threads=physical_cores(), kv_unified=False, repack=not args.no_repack,
+        RuntimeOptions(n_ctx=4096, n_seq=max(SEQS), n_threads=physical_cores(), kv_unified=args.kv_unified, repack=not args.no_repack,
                        flash_attn=args.flash_attn == "on"),
     )
     slots = [rt.slot(i) for i in range(max(SEQS))]
@@ -73,8 +82,16 @@ def main() -> None:
             times.setdefault(f"{m:>2} sequences, a row each", []).append(time.perf_counter() - t0)
             for i in range(m):
                 slots[i].truncate(args.history)
+        for layout in args.layouts:
+            parts = [(slots[i], tokens(n), "all") for i, n in enumerate(layout) if n]
+            t0 = time.perf_counter()
+            rt.eval_many(parts)
+            times.setdefault(f"rows {','.join(map(str, layout))} by slot", []).append(time.perf_counter() - t0)
+            for slot, _, _ in parts:
+                slot.truncate(args.history)
     print(llama_cpp.llama_print_system_info().decode().strip())
     print(f"{physical_cores()} threads, {args.history} tokens of history, repack {'off' if args.no_repack else 'on'}, "
+          f"{'one KV buffer' if args.kv_unified else 'a KV stream per sequence'}, "
           f"flash attention {args.flash_attn}, "
           f"medians of {args.rounds}")
     one = statistics.median(times[f"{1:>2} rows of one sequence"])  # seconds
