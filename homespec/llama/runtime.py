@@ -26,8 +26,8 @@ were even there (0.998x), and on the AVX2 EPYC four clients with such prompts go
 from the daemon unified in 7 of 7 interleaved rounds: short contexts are where unified can win,
 long ones (a voice assistant's system prompt, a chat's history) where streams do. What streams
 give up: a pass whose sequences bring different numbers of rows runs as several graphs
-(eval_many; a slot missing between two others is bridged by a throwaway row), and a prefix borrowed from another slot is copied rather than shared
-(Slot.share_prefix). Exact mode needs streams: in a shared buffer a sequence that grows into
+(eval_many; a slot missing between two others is bridged by a throwaway row), and a prefix
+borrowed from another slot is copied rather than shared (Slot.share_prefix). Exact mode needs streams: in a shared buffer a sequence that grows into
 cells another freed leaves position order (kernels.py). Each slot may hold n_ctx tokens; the
 cache holds n_ctx x n_seq.
 """
@@ -452,7 +452,7 @@ class Runtime:
         if self.opts.fill_stream_gaps:
             # A throwaway row (the slot's own last token again, no logits) at the end of each
             # slot missing between the others', removed after the pass: on a 2-core Xeon, slots
-            # {0, 2, 3} a row each took 177 ms as two graphs and {0, 1, 2, 3} 126 ms as one.
+            # {0, 2, 3} a row each took 149 ms as two graphs, 113 ms with it as one.
             rows = sum(len(toks) for _, toks, _ in parts)
             for seq in stream_gaps([slot.seq for slot, _, _ in parts]):
                 s = self._slots[seq]

@@ -210,8 +210,8 @@ class Controller:
         # The target keeps a KV stream per sequence: llama.cpp runs a pass whose requests bring
         # steps of different lengths as several graphs, so a draft beside plain rows is a pass
         # of its own (_seconds). On a 2-core Xeon (300 tokens of history each) a 5-row step beside
-        # three 1-row steps took 272 ms: the four plain rows' 126 and a 4-row pass's 122, where
-        # one graph of the same rows (a unified cache) took 186.
+        # three 1-row steps took 226 ms, about the four plain rows' 115 and a 4-row pass's 110,
+        # where one graph of the same rows (one KV buffer) took 161.
         self.split_steps = split_steps
         # Rows a pass of several requests drafting together may hold (None: no bound). A request
         # that arrives waits for the pass being run: the daemon keeps that within about what a
