@@ -638,8 +638,9 @@ def test_a_long_copy_of_the_prompt_drafts_long_again_after_one_early_failure_tho
 
 
 def test_in_streams_a_draft_beside_plain_rows_is_priced_as_the_pass_of_its_own_it_makes() -> None:
-    """On a flat curve a draft's rows cost almost nothing in one graph with the others' (the
-    test above); with a KV stream per sequence they are a second graph, a whole pass."""
+    """On a flat curve a draft's rows cost almost nothing in one graph with the others'
+    (test_beside_other_requests_a_draft_pays_only_where_it_makes_this_requests_tokens_cheaper);
+    with a KV stream per sequence they are a second graph, a whole pass."""
     m = Machine(lambda n: 0.020, {"ngram": 0.7}, seed=3)
     c = m.controller(proposers=("ngram",))
     m.run(c, 300)
