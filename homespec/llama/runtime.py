@@ -42,7 +42,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -468,6 +468,14 @@ class Runtime:
         by_seq = {slot.seq: out for (slot, _, _), out in zip(every, outs)}
         return [by_seq[slot.seq] for slot, _, _ in parts]  # in the caller's order
 
+    def graphs(self, rows: Sequence[tuple[Slot, int]]) -> list[tuple[int, int]]:
+        """The graphs llama.cpp runs a pass of `rows` (tokens per slot) as, in order: (sequences,
+        rows) each. One buffer: one graph. A stream per sequence: as `eval_many` lays the pass
+        out (stream_graphs)."""
+        if self.shares_cells:
+            return [(len(rows), sum(n for _, n in rows))] if rows else []
+        return stream_graphs({slot.seq: n for slot, n in rows}, self.opts.fill_stream_gaps)
+
     def _eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]]) -> list[np.ndarray]:
         n = sum(len(toks) for _, toks, _ in parts)
         if n > self.opts.n_batch:
@@ -804,6 +812,30 @@ def stream_gaps(seqs: Sequence[int]) -> list[int]:
     (llama_batch_allocr::split_equal), so {0, 2, 3} is two graphs unless 1 joins them."""
     have = set(seqs)
     return [s for s in range(min(have), max(have)) if s not in have] if have else []
+
+
+def stream_graphs(rows: Mapping[int, int], fill_gaps: bool = True) -> list[tuple[int, int]]:
+    """The graphs of a pass over `rows` tokens per sequence id, with a KV stream per sequence:
+    (sequences, rows) each, in order. llama.cpp's split_equal (llama_batch_allocr, sequential)
+    takes the run of consecutive ids from the lowest with tokens left and the same number of
+    tokens from each, as many as the shortest has left; then again. So 5, 1, 1 and 1 rows are a
+    graph of 4 rows (one per sequence) and one of 4 (the first sequence's), and {0: 3, 2: 3} two
+    graphs unless a gap row (stream_gaps, fill_gaps) joins them for their first row."""
+    left = {s: n for s, n in rows.items() if n > 0}
+    if fill_gaps:
+        left.update({s: 1 for s in stream_gaps(list(left))})
+    out: list[tuple[int, int]] = []
+    while left:
+        run = [min(left)]
+        while run[-1] + 1 in left:
+            run.append(run[-1] + 1)
+        each = min(left[s] for s in run)
+        out.append((len(run), each * len(run)))
+        for s in run:
+            left[s] -= each
+            if not left[s]:
+                del left[s]
+    return out
 
 
 class Slot:

@@ -30,7 +30,7 @@ from homespec.serving.tool_calls import call_grammar, tool_format
 from homespec.speculation.constraints import Grammar, json_schema_grammar
 from homespec.speculation.controller import Controller
 from homespec.speculation.costs import expected_emitted
-from homespec.speculation.engine import FORCED, OFF, Decision, FixedPolicy, GenerationStats, Keen, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.engine import FORCED, OFF, Decision, FixedPolicy, GenerationStats, SpeculationPolicy, StepStats, StepTally
 from homespec.speculation.proposers.base import Proposer
 from homespec.speculation.proposers.ngram_memory import NgramMemory
 from homespec.speculation.sampling import SamplingParams
@@ -234,11 +234,14 @@ class _AutoRecorder:
     def begin(self, prompt: Sequence[int], sampled: bool, alongside: int = 0, tokens_left: int | None = None) -> list[Proposer]:
         return self.c.begin(prompt, sampled, alongside, tokens_left)
 
-    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
-        d = self.c.decide(context, alongside, keen)
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
+        d = self.c.decide(context, alongside)
         gains = self.c.view.gains.get(d.name)
         self.expected.append(gains[d.k - 1] if d.k and gains else 1.0)
         return d
+
+    def offer(self, context: Sequence[int]) -> None:
+        return None  # runs alone: it decides each step itself
 
     def observe(self, step: StepStats) -> None:
         self.c.observe(step)

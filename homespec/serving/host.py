@@ -357,7 +357,8 @@ class Host:
         """A driver for generations running together on this target."""
         return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk,
                      self.cfg.max_pass_rows(self.models.target.opts.reference_decode),
-                     split_steps=not self.models.target.shares_cells)
+                     split_steps=not self.models.target.shares_cells,
+                     plan=self.controller.plan, graphs=self.models.target.graphs)
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:

@@ -8,12 +8,15 @@ sampling and stop conditions stay inside each generation, so exactness is per re
 
 A prompt is prefilled in chunks of at most `prefill_chunk` tokens per round, oldest request first,
 beside the running decodes or alone: a 1,000-token prompt takes ~16 s to read on 2 cores, and in
-one piece it would stall every other request, and any that arrives meanwhile, for that long. Each
-generation is told, with every event, how many rows the others will bring to its next pass
-(`alongside`: decode steps and prompt chunks), so its policy prices its own draft at what it adds
-to the shared pass rather than at a pass of its own (controller.py); and, when every other
-generation in the pass would draft were it alone, what their drafts would bring (`Keen`, from
-each one's last decision), so that all of them may draft together.
+one piece it would stall every other request, and any that arrives meanwhile, for that long.
+
+The steps of a pass are chosen together (`plan`, Controller.plan): after a pass, each generation
+that goes on decoding offers its next step (engine.Ask: plain, or each proposer at each draft
+length, with their expected tokens and drafting time), and once all have, the plan picks the
+steps that make the next pass most productive, priced as the target runs it (`graphs`,
+Runtime.graphs). Decided one request at a time instead, each request's draft is worth only what
+its rows add beside the others', and a request cannot know whether the others will draft too.
+A generation alone in the batch decides alone, as it does outside one.
 
 Narrow passes (`max_rows`, exact mode): a row's logits are the same in any decode pass on
 llama.cpp's reference kernels, or, without them, below ggml's tiled-matmul threshold
@@ -26,8 +29,10 @@ KV stream per sequence (the default; exact mode needs it) llama.cpp runs a pass 
 run of neighbouring slots with steps of equal length (runtime.py eval_many). A narrow pass
 often holds steps of unequal length, so its time is no measure of one pass of its rows and
 teaches the cost model nothing; nor, with streams (`split_steps`), does a wide pass of steps of
-unequal length: the controller prices a draft that splits a pass as the pass of its own it
-makes (controller.py, split_steps), and the shared curve learns from passes of one graph.
+unequal length: the plan prices each of its graphs, and the shared curve learns from passes of
+one graph. Narrow passes are not planned: each request decides beside the rows the others bring
+(`Beside.rows`), and the controller prices a draft that splits the pass as the pass of its own
+it makes (controller.py, split_steps).
 """
 
 from __future__ import annotations
@@ -38,11 +43,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from homespec.speculation.engine import Beside, Event, Keen, Pass, Steps
+from homespec.speculation.engine import Ask, Beside, Decision, Event, Pass, Steps
 from homespec.speculation.target import Output, Target
 
 # (target, tokens, output) per part -> logits per part; Runtime.eval_many.
 EvalMany = Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]]
+# (target, rows) per part -> the graphs the pass runs as, (sequences, rows) each; Runtime.graphs.
+Graphs = Callable[[Sequence[tuple[Target, int]]], Sequence[tuple[int, int]]]
+# The offers of the requests asking (Ask.offer), and graphs(rows) of the next pass when they bring
+# rows[i] each -> a Decision each; Controller.plan.
+Plan = Callable[[Sequence[object], Callable[[Sequence[int]], Sequence[tuple[int, int]]]], list[Decision]]
 # Takes a generation's event as soon as it is produced; may remove() that generation (its
 # client left). An exception it raises ends that generation alone, as one of its own would.
 Deliver = Callable[[Hashable, Event], None]
@@ -55,6 +65,7 @@ class _Running:
     priority: int
     order: int  # admission order: among equal priorities, the older request's prompt goes first
     pending: Pass | None = None
+    asking: Ask | None = None  # its next step waits for the round's plan (Batch._plan)
     done: int = 0  # tokens of `pending` already evaluated (a prompt read in chunks)
     waited: int = 0  # rounds its decode step was left out of (narrow passes)
     rows: list[np.ndarray] = field(default_factory=list)  # logits of those chunks (output "all")
@@ -72,8 +83,12 @@ class Batch:
     """The running generations of one target; not thread-safe (the daemon's worker drives it)."""
 
     def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int, max_rows: int | None = None,
-                 split_steps: bool = False) -> None:
+                 split_steps: bool = False, plan: Plan | None = None, graphs: Graphs | None = None) -> None:
         self.eval_many = eval_many
+        # Wide passes: the steps of the requests in the next pass are chosen together (plan),
+        # priced as the target runs them (graphs). None: each request decides its own.
+        self.plan = plan if max_rows is None and graphs is not None else None
+        self.graphs = graphs
         self.n_batch = n_batch  # tokens per llama_decode at most
         self.prefill_chunk = prefill_chunk  # prompt tokens per round at most (all prompts together)
         self.max_rows = max_rows  # decode rows per pass at most, prompts in passes of their own; None: wide
@@ -137,15 +152,13 @@ class Batch:
         rows = sum(len(toks) for _, toks, _ in parts)
         prefill = sum(len(toks) for r, toks, _ in parts if _is_prefill(r.pending))  # type: ignore[arg-type]
         self.last = RoundStats(rows, len(parts), prefill, seconds)
-        # Each generation decides its next step knowing the rows beside it in the next pass: of
-        # those that decided before it this round, their new steps; of the rest, what they are
-        # expected to bring (_next_rows). Counting the last pass's rows instead, three requests
-        # beside a free fourth row would each take it.
+        # Each generation decides its next step (or, planned, its first draft's prefill)
+        # knowing the rows beside it in the next pass: of those that decided before it this
+        # round, their new steps; of the rest, what they are expected to bring (_next_rows).
+        # Counting the last pass's rows instead, three requests beside a free fourth row would
+        # each take it.
         read = {r.key: len(toks) for r, toks, _ in parts}
         planned = {o.key: self._next_rows(o, read.get(o.key, 0)) for o in self._running.values()}
-        # ... and, from each one's last decision, the draft it would make alone (None: it would
-        # not, or it reads a prompt): when all the others would, drafting together may pay.
-        keen = {o.key: self._keen(o) for o in self._running.values()}
         teaches = not self.split_steps or len({len(toks) for _, toks, _ in parts}) == 1  # one graph (see p.timed)
         for (r, toks, _), logits in zip(parts, outs):
             p = r.pending
@@ -164,9 +177,30 @@ class Batch:
             teaches = False
             reply = r.rows[0] if len(r.rows) == 1 else np.concatenate(r.rows)
             r.pending, r.done, r.rows = None, 0, []
-            self._advance(r, reply, deliver, self._beside(r.key, planned, keen))
+            self._advance(r, reply, deliver, self._beside(r.key, planned))
             planned[r.key] = self._next_rows(r) if r.key in self._running else 0
-            keen[r.key] = self._keen(r) if r.key in self._running else None
+        self._plan(deliver)
+
+    def _plan(self, deliver: Deliver) -> None:
+        """The steps of the generations that asked (Ask), chosen together by `plan` beside the
+        rest of the next pass (prompt chunks, fixed steps); a lone one decides alone."""
+        asking = [r for r in self._running.values() if r.asking is not None]
+        if not asking:
+            return
+        rest = [(o.pending.target, n) for o in self._running.values()
+                if o.pending is not None and (n := self._next_rows(o)) > 0]
+        replies: Sequence[Decision | Beside]
+        if len(asking) == 1 and not rest or self.plan is None or self.graphs is None:
+            replies = [Beside(sum(n for _, n in rest))] * len(asking)
+        else:
+            targets = [r.asking.target for r in asking]  # type: ignore[union-attr]
+            graphs = self.graphs
+            replies = self.plan([r.asking.offer for r in asking],  # type: ignore[union-attr]
+                                lambda rows: graphs([*zip(targets, rows), *rest]))
+        for r, reply in zip(asking, replies):
+            r.asking = None
+            if r.key in self._running:
+                self._advance(r, reply, deliver)
 
     def _next_rows(self, r: _Running, reading: int = 0) -> int:
         """Rows a generation is expected to bring to the next pass, once `reading` more tokens
@@ -175,7 +209,7 @@ class Batch:
         read, its first decode row."""
         p = r.pending
         if p is None:
-            return 0
+            return 1 if r.asking is not None else 0  # its step, at least its plain row
         if not _is_prefill(p):
             return len(p.tokens)
         left = len(p.tokens) - r.done - reading
@@ -183,25 +217,11 @@ class Batch:
             return 1
         return 0 if self.max_rows is not None else min(left, self.prefill_chunk)
 
-    def _keen(self, r: _Running) -> Keen | None:
-        """The draft a generation would make alone in the next pass, from its last decision
-        (Pass.keen): None when it would not, or reads a prompt, or passes are narrow (their
-        drafts are short, and steps that do not fit take turns)."""
-        p = r.pending
-        if p is None or self.max_rows is not None or _is_prefill(p):
-            return None
-        return p.keen
-
-    def _beside(self, key: Hashable, planned: dict[Hashable, int], keen: dict[Hashable, Keen | None]) -> Beside:
-        """What the others bring to a generation's next pass: their rows and, when every one
-        of them would draft alone, their drafts summed."""
-        others = [o for o in planned if o != key and planned[o] > 0]
-        rows = sum(planned[o] for o in others)
-        drafts = [w for w in (keen.get(o) for o in others) if w is not None]
-        if not others or len(drafts) < len(others):
-            return Beside(rows)
-        return Beside(rows, Keen(sum(w.requests for w in drafts), sum(w.rows for w in drafts),
-                                 sum(w.tokens for w in drafts), sum(w.draft_s for w in drafts)))
+    def _beside(self, key: Hashable, planned: dict[Hashable, int]) -> Beside:
+        """What the others bring to a generation's next pass: their rows, and whether the pass
+        is planned (then it asks rather than decides)."""
+        rows = sum(n for o, n in planned.items() if o != key)
+        return Beside(rows, joint=self.plan is not None and rows > 0)
 
     def _pack(self) -> list[tuple[_Running, list[int], Output]]:
         """This round's parts: every decode step whole, then prompt chunks, highest priority and
@@ -273,9 +293,11 @@ class Batch:
             r.waited = 0
         return parts
 
-    def _advance(self, r: _Running, reply: np.ndarray | None, deliver: Deliver, beside: Beside = Beside()) -> None:
-        """Run a generation from its last pass to its next one, delivering its events."""
-        msg: np.ndarray | Beside | None = reply
+    def _advance(self, r: _Running, reply: np.ndarray | Decision | Beside | None, deliver: Deliver,
+                 beside: Beside = Beside()) -> None:
+        """Run a generation from its last pass (or its plan) to its next pass (or ask), delivering
+        its events."""
+        msg: np.ndarray | Decision | Beside | None = reply
         while True:
             try:
                 item = r.steps.send(msg)
@@ -288,6 +310,9 @@ class Batch:
                 return
             if isinstance(item, Pass):
                 r.pending = item
+                return
+            if isinstance(item, Ask):
+                r.asking = item
                 return
             last = item.finish_reason is not None  # the generation's last event
             if last:

@@ -69,7 +69,7 @@ import numpy as np
 
 from homespec.config import ControllerConfig, Mode
 from homespec.speculation.costs import AcceptanceModel, CostModel, NearTieModel, expected_emitted
-from homespec.speculation.engine import OFF, Decision, FixedPolicy, Keen, SpeculationPolicy, StepStats
+from homespec.speculation.engine import OFF, Decision, FixedPolicy, SpeculationPolicy, StepStats
 from homespec.speculation.proposers.base import IN_STEP_LAG, NO_GAPS, Evidence, Proposer
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,13 @@ POOLED_COPY_MATCH = 8
 # A proposer never observed under a key is probed at its first chance if catching it up costs at
 # most this (seconds): the Q4_0 draft reads a 300-token prompt in ~1 s on 2 cores.
 UNSEEN_CATCHUP_S = 1.0
+# A pass planned for several requests (Controller.plan): the draft lengths each may take (and its
+# longest), and the common lengths the search starts from besides all plain. Enough to find a
+# pass where all draft a little (the 2-core Xeon, 300 tokens of history each: 4 x 3 rows 160 ms,
+# 4 x 1 row 108) or one copies far beside plain rows (17, 1, 1, 1: 279 ms), and few enough that
+# planning four requests takes ~1-2 ms of Python, in a pass of ~100-300.
+PLAN_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PLAN_LENGTHS = (2, 3, 5, 9, 17)
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -159,6 +166,24 @@ class Candidate:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Choice(NamedTuple):
+    """One step a request could take in a planned pass."""
+
+    proposer: str  # OFF: plain
+    k: int
+    tokens: float  # expected tokens it emits
+    draft_s: float  # seconds proposing them (catching up included), before the pass
+
+
+@dataclass
+class Offer:
+    """A request's next step, offered to the pass planned for several (Controller.plan)."""
+
+    state: RequestState
+    options: dict[str, Option]
+    choices: list[Choice]  # plain first
 
 
 @dataclass
@@ -323,14 +348,21 @@ class Controller:
     ) -> list[Proposer]:
         """A request starts: draft lengths are earned afresh, and acceptance is learned apart
         for sampled requests. Prefill the proposers whose prefill is free (a prompt-lookup index also
-        learns where the prompt ends) and the others only while they pay, beside `alongside` rows
-        of other requests as the first step will be (a draft's prefill, run after the first token,
-        delays the second for nothing otherwise, and every other request's next token with it);
-        the rest catch up if a probe picks them (decide charges the catch-up)."""
+        learns where the prompt ends) and the others only while they pay (a draft's prefill, run
+        after the first token, delays the second for nothing otherwise, and the next token of each
+        of the `alongside` rows of other requests with it); the rest catch up if a probe or a
+        plan picks them (each charges the catch-up).
+
+        What drafting pays is priced as alone even beside others: their steps and this one's are
+        planned together (plan), where drafts that all requests make pay more than one beside
+        plain rows does. Priced beside plain rows, no draft model read a prompt at once, and
+        catching up later cost each request 60-190 ms that no planned step repaid: in-process on
+        a 2-core Xeon, four requests at once (code, edit, chat, code) got 30.0 and 29.9 tok/s
+        so, 36.2 and 33.6 priced alone."""
         self.req.earned = {}
         self.req.prompt_len = len(prompt)
         self.req.sampled = sampled
-        self.req.alongside = alongside
+        self.req.alongside = 0
         plain = self._plain()
         out = []
         for name, p in self._usable().items():
@@ -357,7 +389,7 @@ class Controller:
         for p in self._usable().values():
             p.end(context, gaps)
 
-    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         self.step_no += 1
         self.req.probing = None
         self.req.alongside = alongside
@@ -370,11 +402,6 @@ class Controller:
         if best.proposer != OFF and best.rate < self._bar(plain):
             best = plain
         reason = self._reason(best, plain)
-        wish = self._alone(options) if alongside else (best if best.proposer != OFF else None)
-        if keen is not None and wish is not None:
-            together, reason_together = self._together(options, keen)
-            if together is not None:
-                best, reason = together, reason_together
         probe = self._probe(best, options)
         if probe is not None:
             reason = f"probe {probe.proposer} k={probe.k} (untried for {self.step_no - self.last_tried[probe.proposer]} steps)"
@@ -384,15 +411,101 @@ class Controller:
         if log.isEnabledFor(logging.DEBUG):  # `homespec -v serve`: every decision and what it weighed
             log.debug("beside %d rows: %s; best k per proposer: %s", alongside, reason,
                       ", ".join(f"{p} k={c.k} {c.rate / plain.rate:.2f}x" for p, c in best_of.items()) or "none")
-        # What this request would draft alone, for the requests beside it (Pass.keen, batch.py).
-        mine = Keen(1, wish.k + 1, wish.tokens, float(self.cost.propose(wish.proposer, wish.k))) if wish is not None else None
         if best.proposer == OFF:
-            return Decision(None, 0, mine)
+            return Decision(None, 0)
         self.last_tried[best.proposer] = self.step_no
         if probe is None:
             self.failed_probes.pop(best.proposer, None)  # chosen on merit
             self.failed_probes.pop(options[best.proposer].key, None)
-        return Decision(self._usable()[best.proposer], best.k, mine)
+        return Decision(self._usable()[best.proposer], best.k)
+
+    # -- a pass of several requests, planned at once ----------------------------------------
+
+    def offer(self, context: Sequence[int]) -> Offer | None:
+        """The current request's choices for a pass planned with others (plan): plain, and each
+        proposer at the draft lengths of PLAN_KS it may take, with its expected tokens and
+        drafting time. None before calibration (it decides alone then: plain)."""
+        if not self.cost.calibrated():
+            return None
+        self.req.alongside = 0  # earned lengths as alone (_unearned_k): the plan prices the pass
+        options = self._options(context)
+        choices = [Choice(OFF, 0, 1.0, 0.0)]
+        for p, o in options.items():
+            emitted = expected_emitted(self._rates(o))  # [k_max + 1]
+            for k in sorted({*(k for k in PLAN_KS if k < o.k), o.k}):
+                choices.append(Choice(p, k, float(emitted[k]), float(self.cost.propose(p, k)) + o.switch_s))
+        return Offer(self.req, options, choices)
+
+    def plan(self, offers: Sequence[Offer], graphs: Callable[[Sequence[int]], Sequence[tuple[int, int]]]) -> list[Decision]:
+        """Each offering request's step in the next pass, chosen together: the steps that make
+        the pass most productive, expected tokens over seconds (drafting, then the pass), if
+        that beats all plain rows by min_gain. graphs(rows): how the target runs the pass when
+        the requests bring rows[i] each, beside the pass's other parts (Runtime.graphs:
+        (sequences, rows) per graph): with a KV stream per sequence, steps of unequal length
+        run as several graphs, which one request's far copy beside plain rows pays for and a
+        short draft does not. A graph of one sequence costs a pass of its rows alone (the cost
+        curve), one of several the shared curve's.
+
+        A local search from all plain and from every request drafting to each of PLAN_LENGTHS,
+        one request's step at a time. A pass's rows stay within together_rows: a request that
+        arrives waits for the pass being run."""
+        shared = self.shared if self.shared.calibrated() else self.cost
+        priced: dict[tuple[int, ...], float] = {}
+
+        def pass_s(rows: tuple[int, ...]) -> float:
+            if rows not in priced:
+                priced[rows] = sum(float(self.cost.verify(n) if seqs == 1 else shared.verify(n)) for seqs, n in graphs(rows))
+            return priced[rows]
+
+        def rate(pick: Sequence[int]) -> float:
+            steps = [o.choices[j] for o, j in zip(offers, pick)]
+            rows = tuple(c.k + 1 for c in steps)
+            if self.together_rows is not None and sum(rows) > max(self.together_rows, len(rows)):
+                return 0.0
+            return sum(c.tokens for c in steps) / (pass_s(rows) + sum(c.draft_s for c in steps))
+
+        plain = [0] * len(offers)
+        starts = [plain] + [[max(range(len(o.choices)), key=lambda j: (o.choices[j].k < m, o.choices[j].tokens)) for o in offers]
+                            for m in PLAN_LENGTHS]
+        best, best_rate = plain, rate(plain)
+        for pick in starts:
+            pick, r = list(pick), rate(pick)
+            for _ in range(2):  # sweeps: one request's step at a time, the others' kept
+                moved = False
+                for i, o in enumerate(offers):
+                    for j in range(len(o.choices)):
+                        trial = [*pick[:i], j, *pick[i + 1 :]]
+                        t = rate(trial)
+                        if t > r * (1 + 1e-9):
+                            pick, r, moved = trial, t, True
+                if not moved:
+                    break
+            if r > best_rate:
+                best, best_rate = pick, r
+        plain_rate = rate(plain)
+        if best_rate < plain_rate * self.cfg.min_gain:
+            best = plain
+        return [self._planned(o, o.choices[j], len(offers), best_rate / plain_rate if plain_rate else 1.0)
+                for o, j in zip(offers, best)]
+
+    def _planned(self, offer: Offer, c: Choice, n: int, gain: float) -> Decision:
+        """Record a request's planned step as decide does its own (the view, last_tried)."""
+        self.req = offer.state
+        self.step_no += 1
+        self.req.probing = None
+        plain = self._plain()
+        step = Candidate(c.proposer, c.k, c.tokens, c.draft_s)
+        reason = (f"off in a pass of {n}" if c.proposer == OFF else f"{c.proposer} k={c.k} in a pass of {n}") + \
+            f": the pass planned {gain:.2f}x one of plain rows"
+        self._record(step, plain, offer.options, reason)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("planned: %s", reason)
+        if c.proposer == OFF:
+            return Decision(None, 0)
+        self.last_tried[c.proposer] = self.step_no
+        self.failed_probes.pop(c.proposer, None)  # chosen on merit
+        self.failed_probes.pop(offer.options[c.proposer].key, None)
+        return Decision(self._usable()[c.proposer], c.k)
 
     def observe(self, step: StepStats) -> None:
         """Learn from a step — whichever policy chose it (fixed-mode requests teach too)."""
@@ -475,73 +588,15 @@ class Controller:
                 out[name] = Option(self._key(name, preview.evidence), min(preview.available, earned), switch_s, preview.gaps)
         return out
 
-    # Several requests in one pass (batch.py): the others' `alongside` rows are computed whatever
-    # this request does, so its candidates are priced at what their rows add to the pass,
-    # t(b + k + 1) - t(b) (CostModel.added), for this request's own expected tokens. A draft must
-    # make this request's tokens cheaper than its one plain row does. Pricing the whole pass
-    # instead, (b + E[emitted | k]) / t(b + k + 1), drafts whenever the draft beats the pass's
-    # average row; but the others' tokens do not come sooner for it (each still needs a pass per
-    # token, and every pass is longer), so four requests finish later together than with no
-    # drafts at all. Measured, 4 clients on a 2-core Xeon: 15.7-18.2 tok/s at once that way,
-    # 22.2 with speculation off. On a CPU's ~linear curve a draft beside others thus pays only
-    # where the curve bends (a few rows, or a kernel's tile boundary); on a GPU's flat curve it
-    # still pays; and the last request running prices as alone (b = 0), where this is the rate
-    # above.
-
-    # Together: the rule above is right for one request among others that decode plainly: the
-    # pass count is theirs, and its draft only adds rows to each pass. When every request in the
-    # pass would draft alone (the same questions asked again at once, edits side by side), the
-    # passes everyone waits for get fewer only if all of them draft. Each then prices the pass
-    # of all their drafts, (E[emitted | k] + others' tokens) / t(others' rows + k + 1), against
-    # the pass of all plain rows, (1 + n) / t(1 + n). Measured on a 2-core EPYC (four repeated
-    # questions at once): each priced alone, the first drafted and the other three then decoded
-    # ~120 passes of 3 plain rows (~100 ms each) rather than one pass of ~190. Such a pass is
-    # bounded (together_rows), as a prompt chunk is, for the requests that arrive meanwhile.
-    # With a KV stream per sequence (split_steps) such a pass of unequal drafts runs as several
-    # graphs; it is still priced as one. Pricing it as every step padded to the longest, or
-    # letting a request join only steps as long as its own, measured no better within this VM's
-    # noise (2-core Xeon, 2026-12-06: four repeated questions at once 39-59 tok/s in-process with
-    # any of the three), and drafts kept whole pay even split.
-
-    def _alone(self, options: Mapping[str, Option]) -> Candidate | None:
-        """The draft this request would make were it alone (None: it would decode plainly)."""
-        alongside, self.req.alongside = self.req.alongside, 0
-        try:
-            bar = self._bar(self._plain())
-            drafts = [self._best(p, o.k, o.key, self._rates(o), o.switch_s) for p, o in options.items()]
-        finally:
-            self.req.alongside = alongside
-        best = max(drafts, key=lambda c: c.rate, default=None)
-        return best if best is not None and best.rate >= bar else None
-
-    def _together(self, options: Mapping[str, Option], keen: Keen) -> tuple[Candidate | None, str]:
-        """This request's draft when every other request in the pass would draft too (keen:
-        their drafts; each request's cut to its share of together_rows): the k that makes the
-        pass of all drafts most productive, if that pass beats the pass of all plain rows by
-        min_gain (see "Together" above) and the pass of their drafts beside this request's
-        plain row (a weak draft of its own adds more rows than tokens)."""
-        passes = self._passes()
-        # An equal share of together_rows each: the others' drafts are cut to theirs (their tokens
-        # and proposing time in proportion), and this request's k to its own.
-        share = self.together_rows // (keen.requests + 1) if self.together_rows else self.k_max + 1  # rows
-        cut = min(1.0, keen.requests * share / keen.rows)
-        rows, tokens, draft_s = round(keen.rows * cut), keen.tokens * cut, keen.draft_s * cut  # the others' drafts, cut
-        plain_rate = (1 + keen.requests) / passes.verify(1 + keen.requests)
-        best, best_rate = None, (1 + tokens) / (passes.verify(rows + 1) + draft_s)
-        for p, o in options.items():
-            ks = np.arange(1, min(o.k, share - 1) + 1)
-            if not ks.size:
-                continue
-            emitted = expected_emitted(self._rates(o))  # [k_max + 1]
-            seconds = passes.verify(rows + ks + 1) + draft_s + self.cost.propose(p, ks) + o.switch_s
-            rates = (emitted[ks] + tokens) / seconds  # [len(ks)] tokens/s of the whole pass
-            i = int(np.argmax(rates))
-            if rates[i] > best_rate:
-                best, best_rate = self._candidate(p, int(ks[i]), emitted, o.switch_s), float(rates[i])
-        if best is None or best_rate < plain_rate * self.cfg.min_gain:
-            return None, ""  # (then as one among others: most often plain)
-        return best, (f"{best.proposer} k={best.k} together: {keen.requests} beside would draft too, "
-                      f"a pass of all drafts {best_rate / plain_rate:.2f}x one of plain rows")
+    # A request deciding beside others by itself (narrow passes; wide ones are planned, `plan`):
+    # the others' `alongside` rows are computed whatever this request does, so its candidates
+    # are priced at what their rows add to the pass, t(b + k + 1) - t(b) (CostModel.added), for
+    # this request's own expected tokens: a draft must make this request's tokens cheaper than
+    # its one plain row does. Pricing the whole pass instead, (b + E[emitted | k]) / t(b + k + 1),
+    # one request at a time, each drafted whenever its draft beat the pass's average row, each
+    # not knowing whether the others would: measured, 4 clients on a 2-core Xeon, 15.7-18.2 tok/s
+    # at once that way against 22.2 with speculation off. The plan prices the whole pass too, but
+    # with every request's step chosen at once and each graph of the pass priced as it runs.
 
     def _bar(self, plain: Candidate) -> float:
         """The rate a speculative candidate must reach: min_gain over plain decoding."""
@@ -699,9 +754,13 @@ class RequestPolicy:
         self.controller.req = self.state
         return self.controller.begin(prompt, sampled, alongside, tokens_left)
 
-    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         self.controller.req = self.state
-        return self.controller.decide(context, alongside, keen)
+        return self.controller.decide(context, alongside)
+
+    def offer(self, context: Sequence[int]) -> Offer | None:
+        self.controller.req = self.state
+        return self.controller.offer(context)
 
     def observe(self, step: StepStats) -> None:
         self.controller.req = self.state

@@ -89,29 +89,28 @@ class StepStats:
         return self.draft_s + self.verify_s
 
 
-class Keen(NamedTuple):
-    """Drafts that requests would make were each alone (a request's own, or several summed).
-    Beside others, one request's draft does not cut the passes they wait for; only when every
-    request in the pass drafts do the passes get fewer (controller.py, "Together")."""
-
-    requests: int  # how many requests
-    rows: int  # their steps' rows (each step's last token and draft), together
-    tokens: float  # the tokens they expect to keep, bonus tokens included, together
-    draft_s: float = 0.0  # seconds their proposing takes, together
-
-
 class Beside(NamedTuple):
     """What a batch driver tells a generation of the next pass, besides its own rows."""
 
     rows: int = 0  # the other requests' rows
-    keen: Keen | None = None  # every other request would draft alone: their drafts, summed
+    # The driver plans the pass for all its requests at once: ask it (`Ask`) rather than decide.
+    joint: bool = False
+
+
+@dataclass
+class Ask:
+    """A generation's next step, offered to the batch driver to decide with the others in the
+    pass (SpeculationPolicy.offer, Controller.plan): send back a Decision, or a Beside to decide
+    alone after all."""
+
+    offer: object  # the policy's offer, opaque to the engine and the driver
+    target: Target  # the sequence the step will run in (where its rows go in the pass)
 
 
 @dataclass(frozen=True)
 class Decision:
     proposer: Proposer | None  # None: plain decoding
     k: int
-    keen: Keen | None = None  # the draft this request would make were it alone; None: plain decoding
 
     @property
     def name(self) -> str:
@@ -125,10 +124,15 @@ class SpeculationPolicy(Protocol):
         proposers worth prefilling with it (the others catch up when first used)."""
         ...
 
-    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         """The next step's proposer and k. alongside: rows other requests bring to the same
-        target pass (batch.py), so that this request's rows cost only what they add; keen:
-        what they would draft, when every one of them would draft alone."""
+        target pass (batch.py, when it does not plan the pass: `offer`), so that this request's
+        rows cost only what they add."""
+        ...
+
+    def offer(self, context: Sequence[int]) -> object | None:
+        """What the next step could do, for a driver that decides the steps of several requests
+        at once (Ask); None: this policy decides for itself."""
         ...
 
     def observe(self, step: StepStats) -> None: ...
@@ -167,8 +171,11 @@ class FixedPolicy:
         p = self.decision.proposer
         return [p] if p is not None else []
 
-    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         return self.decision
+
+    def offer(self, context: Sequence[int]) -> object | None:
+        return None  # nothing to plan: its steps are fixed
 
     def observe(self, step: StepStats) -> None:
         pass
@@ -264,7 +271,6 @@ class Pass:
     target: Target
     tokens: list[int]
     output: Output
-    keen: Keen | None = None  # a verify pass: the draft its request would make alone (Decision.keen)
     rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
     seconds: float = 0.0  # set by the driver: how long that decode took
     timed: bool = True  # set by the driver: False when that decode also read prompt chunks
@@ -276,7 +282,7 @@ class Pass:
         return logits
 
 
-Steps = Generator["Event | Pass", "np.ndarray | Beside | None", None]  # the engine's coroutine
+Steps = Generator["Event | Pass | Ask", "np.ndarray | Beside | Decision | None", None]  # the engine's coroutine
 
 
 def run_alone(steps: Steps) -> Iterator[Event]:
@@ -288,6 +294,8 @@ def run_alone(steps: Steps) -> Iterator[Event]:
             item = steps.send(reply)
             if isinstance(item, Pass):
                 reply = item.run()
+            elif isinstance(item, Ask):  # (not asked for: no pass of several to plan)
+                reply = Beside()
             else:
                 reply = None
                 yield item
@@ -411,10 +419,9 @@ class Engine:
             if forced:  # free drafts; the policy's proposers sit this step out
                 verdict, step = yield from self._step(ctx, None, len(forced), params, rng, grammar, forced)
             else:
-                decision = policy.decide(ctx, alongside, beside.keen)
+                decision = yield from self._decide(policy, ctx, beside)
                 k = min(decision.k, budget)
-                verdict, step = yield from self._step(ctx, decision.proposer if k else None, k, params, rng, grammar,
-                                                      keen=decision.keen)
+                verdict, step = yield from self._step(ctx, decision.proposer if k else None, k, params, rng, grammar)
             policy.observe(step)
             st.add(step)
             lps = None
@@ -426,6 +433,17 @@ class Engine:
             if grammar is not None:
                 grammar.commit(event.tokens)
 
+    def _decide(self, policy: SpeculationPolicy, ctx: list[int], beside: Beside) -> Generator[Ask, object, Decision]:
+        """The next step's proposer and k: the driver's, planned with the other requests in the
+        pass (beside.joint, when the policy offers one), else the policy's own."""
+        offer = policy.offer(ctx) if beside.joint else None
+        if offer is not None:
+            got = yield Ask(offer, self.target)
+            if isinstance(got, Decision):
+                return got
+            beside = got if isinstance(got, Beside) else Beside(beside.rows)
+        return policy.decide(ctx, beside.rows)
+
     def _step(
         self,
         ctx: list[int],
@@ -435,11 +453,9 @@ class Engine:
         rng: np.random.Generator,
         grammar: Grammar | None = None,
         forced: Sequence[int] = (),
-        keen: Keen | None = None,
     ) -> Generator[Pass, np.ndarray, tuple[Verdict, StepStats]]:
         """One speculative step over ctx (not modified here); k = 0 or no proposer: plain.
-        forced: the grammar's jump-forward tokens, verified in place of a proposal; keen: what
-        the pass tells the batch driver (Pass.keen)."""
+        forced: the grammar's jump-forward tokens, verified in place of a proposal."""
         if forced:
             proposal, name = Proposal(list(forced)), FORCED
         else:
@@ -450,7 +466,7 @@ class Engine:
             # Only an unseeded sampled draft with a real q must keep its first invalid token.
             d = grammar.cut(d, keep_first_invalid=not params.greedy and params.seed is None and proposal.q is not None)
         t0 = time.perf_counter()
-        verify = Pass(self.target, [ctx[-1], *d], "all", keen)
+        verify = Pass(self.target, [ctx[-1], *d], "all")
         logits = yield verify  # [len(d) + 1, vocab]
         if grammar is not None:
             logits = apply_masks(logits, grammar.masks(d))

@@ -20,7 +20,7 @@ import numpy as np
 
 from homespec.speculation.controller import Controller
 from homespec.speculation.costs import CostModel
-from homespec.speculation.engine import OFF, Decision, FixedPolicy, Keen, SpeculationPolicy, StepStats, StepTally
+from homespec.speculation.engine import OFF, Decision, FixedPolicy, SpeculationPolicy, StepStats, StepTally
 from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
@@ -129,13 +129,16 @@ class _Hindsight:
         self.prompt_len, self.output = len(prompt), rec.output
         return [self.ngram]
 
-    def decide(self, context: Sequence[int], alongside: int = 0, keen: Keen | None = None) -> Decision:
+    def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         t = len(context) - self.prompt_len  # output tokens already in the context
         k = min(self.k_max, len(self.output) - t - 1)
         drafted = self.ngram.propose(context, k, _GREEDY, np.random.default_rng(0)).tokens[:k] if k > 0 else []
         accepted = greedy_verify(drafted, np.asarray(self.output[t : t + len(drafted) + 1])).accepted
         a = max(range(accepted + 1), key=lambda j: ((j + 1) / self.pass_s(j + 1), -j))  # 0: plain pays best
         return Decision(self.ngram if a else None, a)
+
+    def offer(self, context: Sequence[int]) -> None:
+        return None  # runs alone: it decides each step itself
 
     def observe(self, step: StepStats) -> None:
         pass

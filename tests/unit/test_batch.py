@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from homespec.speculation.batch import Batch
-from homespec.speculation.engine import Decision, Engine, Event, FixedPolicy, GenerationStats, Keen, Steps, StepStats
+from homespec.speculation.engine import Decision, Engine, Event, FixedPolicy, GenerationStats, Steps, StepStats
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
@@ -267,13 +267,11 @@ class Recorder(FixedPolicy):
     def __init__(self) -> None:
         super().__init__()
         self.alongside: list[int] = []
-        self.keen: list[Keen | None] = []
         self.timed: list[bool] = []
 
-    def decide(self, context, alongside=0, keen=None):
+    def decide(self, context, alongside=0):
         self.alongside.append(alongside)
-        self.keen.append(keen)
-        return super().decide(context, alongside, keen)
+        return super().decide(context, alongside)
 
     def observe(self, step) -> None:
         self.timed.append(step.timed)
@@ -297,42 +295,61 @@ def test_the_rows_beside_a_request_count_other_decodes_and_the_next_prompt_chunk
     assert a.timed[-1] is False and a.timed[-2] is True  # that pass read a prompt: its time is no verify cost
 
 
-class Eager(Recorder):
-    """Decodes plainly, but tells the others it would draft `wish` were it alone."""
+class Offering(Recorder):
+    """Offers each step to a planning driver (its offer: its key and context length)."""
 
-    def __init__(self, wish: Keen) -> None:
+    def __init__(self, key: str) -> None:
         super().__init__()
-        self.wish = wish
+        self.key = key
 
-    def decide(self, context, alongside=0, keen=None):
-        super().decide(context, alongside, keen)
-        return Decision(None, 0, self.wish)
+    def offer(self, context):
+        return (self.key, len(context))
 
 
-def test_a_request_hears_of_the_others_drafts_only_when_every_other_request_would_draft() -> None:
-    """Drafting together pays only if all in the pass draft (controller.py, "Together"): a
-    request is told the others' drafts, summed, when each of them would draft alone, and not
-    while one of them would not, or reads its prompt, or passes are narrow."""
-    rt = FakeRuntime(n_seq=4, n_ctx=1024)
-    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
-    a, b, c = Recorder(), Eager(Keen(1, 9, 7.5)), Eager(Keen(1, 5, 3.0, 0.01))
-    for key, policy in (("a", a), ("b", b), ("c", c)):
-        batch.add(key, Engine(rt.slot("abc".index(key))).steps(PROMPTS["abc".index(key)], max_tokens=40, policy=policy))
+def test_the_steps_of_a_pass_of_several_are_planned_together_and_a_request_left_alone_decides_alone() -> None:
+    """After each pass the requests that go on decoding offer their next steps, and one plan
+    picks them all, priced by the graphs the pass would run as (its prompt chunks included); the
+    decision planned is the step run. A request alone decides alone."""
+    rt = FakeRuntime(n_seq=3, n_ctx=1024)
+    plans: list[tuple[list[str], list[tuple[int, int]]]] = []
+
+    def plan(offered, graphs):
+        plans.append(([key for key, _ in offered], list(graphs([2] * len(offered)))))
+        return [Decision(ngram, 1) for _ in offered]  # one drafted token each
+
+    ngram = NgramProposer(1, 3)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32, plan=plan, graphs=rt.graphs)
+    a, b = Offering("a"), Offering("b")
+    batch.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=40, policy=a))
+    batch.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=12, policy=b))
     for _ in range(3):
         round_events(batch)
-    assert a.keen[-1] == Keen(2, 14, 10.5, 0.01)  # b and c would both draft
-    assert b.keen[-1] is None and c.keen[-1] is None  # a would not
-    batch.add("reader", Engine(rt.slot(3)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
+    assert plans and all(sorted(keys) == ["a", "b"] and graphs == [(2, 4)] for keys, graphs in plans[-2:])
+    assert max(rt.passes[-1], key=lambda p: p[1])[1] <= 2  # each step: its last token and one drafted
+    batch.add("reader", Engine(rt.slot(2)).steps([(5 * i) % 60 for i in range(100)], max_tokens=2))
     round_events(batch)
-    assert a.keen[-1] is None  # the reader's prompt chunk is in the next pass
-    d, e = Recorder(), Eager(Keen(1, 3, 2.5))
-    rt2 = FakeRuntime(n_seq=2, n_ctx=1024)
-    narrow = Batch(rt2.eval_many, n_batch=512, prefill_chunk=32, max_rows=7)
-    narrow.add("d", Engine(rt2.slot(0)).steps(PROMPTS[0], max_tokens=40, policy=d))
-    narrow.add("e", Engine(rt2.slot(1)).steps(PROMPTS[1], max_tokens=40, policy=e))
+    assert plans[-1][1] == [(3, 2 + 2 + 32)]  # beside the reader's next chunk of 32
+    while "b" in batch:
+        round_events(batch)
+    while "reader" in batch:
+        round_events(batch)
+    n, decided = len(plans), len(a.alongside)
+    round_events(batch)
+    assert len(plans) == n and len(a.alongside) == decided + 1 and a.alongside[-1] == 0  # alone: its own decision
+
+
+def test_a_driver_that_does_not_plan_lets_each_request_decide_beside_the_others_rows() -> None:
+    """Narrow passes (exact mode) are not planned, nor is a batch without a plan: a request's
+    policy decides, told the rows beside it, and is never asked for an offer."""
+    rt = FakeRuntime(n_seq=2, n_ctx=1024)
+    narrow = Batch(rt.eval_many, n_batch=512, prefill_chunk=32, max_rows=7, plan=lambda o, g: [], graphs=rt.graphs)
+    assert narrow.plan is None
+    a, b = Offering("a"), Offering("b")
+    narrow.add("a", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=40, policy=a))
+    narrow.add("b", Engine(rt.slot(1)).steps(PROMPTS[1], max_tokens=40, policy=b))
     for _ in range(6):
         round_events(narrow)
-    assert d.keen and all(k is None for k in d.keen)
+    assert a.alongside and b.alongside and max(a.alongside) >= 1
 
 
 @pytest.mark.parametrize("split_steps", [False, True])
@@ -355,7 +372,7 @@ class Alternating(FixedPolicy):
         super().__init__(proposer, 3)
         self.rows: list[int] = []
 
-    def decide(self, context, alongside=0, keen=None):
+    def decide(self, context, alongside=0):
         d = self.decision if len(self.rows) % 2 == 0 else Decision(None, 0)
         self.rows.append(d.k + 1)
         return d

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from homespec.config import ControllerConfig
-from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Controller
-from homespec.speculation.engine import OFF, Keen, StepStats
+from homespec.llama.runtime import stream_graphs
+from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Choice, Controller
+from homespec.speculation.engine import OFF, StepStats
 from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import MATCH_CAP, Match
 
@@ -502,53 +503,60 @@ def test_beside_other_requests_a_draft_pays_only_where_it_makes_this_requests_to
     assert beside(lambda n: 0.020, 0.7, 3)[1] > 0
 
 
-def test_requests_that_would_each_draft_alone_draft_together_beside_each_other() -> None:
-    """Beside three requests that decode plainly, a draft accepted 95 % of the time loses on a
-    CPU's linear curve (the test above): their passes happen anyway. When each of the three
-    would draft as well (the same questions asked again at once), the pass of all four drafts
-    beats the pass of four plain rows, and it drafts; not so beside three weak drafts."""
+def one_graph(rows):
+    """Runtime.graphs with one KV buffer: the pass is one graph of all rows."""
+    return [(len(rows), sum(rows))]
+
+
+def streams(rows):
+    """Runtime.graphs with a KV stream per sequence, the requests in slots 0, 1, ..."""
+    return stream_graphs(dict(enumerate(rows)))
+
+
+def offers(c: Controller, ctx, n: int):
+    return [c.policy().offer(ctx) for _ in range(n)]
+
+
+def test_a_planned_pass_drafts_for_every_request_where_a_pass_of_all_drafts_beats_one_of_plain_rows() -> None:
+    """Beside three plain rows a draft accepted 95 % of the time loses on a CPU's linear curve
+    (the test above: their passes happen anyway). Planned together, the pass of four such drafts
+    beats the pass of four plain rows, and all four draft; four weak drafts do not."""
     m = Machine(cpu_cost, {"ngram": 0.95}, seed=3)
     c = m.controller(proposers=("ngram",))
     m.run(c, 300)
-    lone = c.decide(m.ctx)
-    assert lone.k > 0 and lone.keen is not None and lone.keen.rows == lone.k + 1  # what it would draft alone
     assert c.decide(m.ctx, alongside=3).k == 0
-    others = Keen(3, 3 * lone.keen.rows, 3 * lone.keen.tokens)
-    together = c.decide(m.ctx, alongside=sum([1, 1, 1]), keen=others)
-    assert together.k > 0 and "together" in c.view.reason
-    assert together.keen == lone.keen  # it still tells the others what it would draft alone
-    weak = Keen(3, 3 * 3, 3 * 1.2)  # three 2-token drafts that keep 0.2 of a token each
-    assert c.decide(m.ctx, alongside=3, keen=weak).k == 0
+    plan = c.plan(offers(c, m.ctx, 4), one_graph)
+    assert all(d.k > 0 for d in plan) and "in a pass of 4" in c.view.reason
+    weak = Machine(cpu_cost, {"ngram": 0.2}, seed=3)
+    cw = weak.controller(proposers=("ngram",))
+    weak.run(cw, 300)
+    assert all(d.k == 0 for d in cw.plan(offers(cw, weak.ctx, 4), one_graph))
 
 
-def test_a_pass_of_drafts_together_holds_at_most_together_rows() -> None:
-    """A request that arrives waits for the pass being run: four drafting together take a
-    quarter of together_rows each, whatever the others would draft alone."""
+def test_in_streams_a_far_copy_beside_plain_rows_is_planned_as_the_graph_of_its_own_it_makes() -> None:
+    """With a KV stream per sequence, 17, 1, 1 and 1 rows run as a graph of 4 rows and one of 16:
+    the pass of an edit's 16-token copy beside three plain rows beats the pass of four plain
+    rows, so the copy is planned, and the others' weak drafts are not."""
+    m = Machine(cpu_cost, {"ngram": 1.0}, seed=3)
+    c = m.controller(proposers=("ngram",))
+    m.run(c, 50)
+    made = offers(c, m.ctx, 4)
+    made[0].choices = [Choice(OFF, 0, 1.0, 0.0), Choice("ngram", 16, 17.0, 0.0)]
+    for o in made[1:]:
+        o.choices = [Choice(OFF, 0, 1.0, 0.0), Choice("ngram", 4, 3.0, 0.0)]
+    assert [d.k for d in c.plan(made, streams)] == [16, 0, 0, 0]
+
+
+def test_a_planned_pass_holds_at_most_together_rows() -> None:
+    """A request that arrives waits for the pass being run: four perfect copies on a flat curve
+    draft k_max each, and within together_rows rows together when it is set."""
     m = Machine(gpu_cost, {"ngram": 1.0}, seed=3)
     c = m.controller(proposers=("ngram",))
     m.run(c, 100)
-    assert c.decide(m.ctx, alongside=3, keen=Keen(3, 3 * 17, 3 * 17.0)).k == 16  # k_max: no bound
+    assert [d.k for d in c.plan(offers(c, m.ctx, 4), one_graph)] == [K_MAX] * 4
     c.together_rows = 32
-    d = c.decide(m.ctx, alongside=3, keen=Keen(3, 3 * 17, 3 * 17.0))
-    assert "together" in c.view.reason and d.k == 32 // 4 - 1
-
-
-def test_the_others_drafts_cut_to_their_share_take_their_proposing_time_in_proportion() -> None:
-    # Three drafts of 17 rows that take 0.2 s to propose, cut to 8 rows each: 0.09 s of it.
-    m = Machine(gpu_cost, {"ngram": 1.0}, seed=3)
-    c = m.controller(proposers=("ngram",))
-    m.run(c, 100)
-    c.together_rows = 32
-    d = c.decide(m.ctx, alongside=3, keen=Keen(3, 3 * 17, 3 * 17.0, draft_s=0.2))
-    assert "together" in c.view.reason and d.k == 32 // 4 - 1
-
-
-def test_a_request_that_would_decode_plainly_alone_tells_the_others_so() -> None:
-    m = Machine(cpu_cost, {"ngram": 0.1}, seed=3)
-    c = m.controller(proposers=("ngram",))
-    m.run(c, 300)
-    d = c.decide(m.ctx, alongside=3, keen=Keen(3, 60, 45.0))
-    assert d.k == 0 and d.keen is None
+    plan = c.plan(offers(c, m.ctx, 4), one_graph)
+    assert sum(d.k + 1 for d in plan) <= 32 and all(d.k > 0 for d in plan)
 
 
 def test_beside_other_requests_a_draft_takes_the_rows_a_tiled_kernel_gives_away() -> None:
