@@ -214,9 +214,10 @@ class RuntimeOptions:
     # CPU kernels, prompt passes on its usual ones: rows of any count that do not depend on their
     # pass (exact mode, kernels.py). Needs a build with the switch (kernels.reference_kernels_available).
     reference_decode: bool = False
-    # Streams: a slot missing between those of a pass gets one throwaway row (eval_many), so the
-    # pass runs as one graph and not one per run of neighbouring slots. Off in exact mode, whose
-    # narrow passes count their rows (kernels.py).
+    # Streams: a slot missing between those of a pass gets a throwaway row, and short steps
+    # throwaway rows up to the longest where that is cheap (stream_layout), so the pass runs as
+    # one graph and not one per run of neighbouring slots of equal steps. Off in exact mode,
+    # whose narrow passes count their rows (kernels.py).
     fill_stream_gaps: bool = True
 
 
@@ -444,27 +445,20 @@ class Runtime:
 
         With a stream per sequence (kv_unified off) llama.cpp splits the pass into one graph per
         run of consecutive sequence ids, taking the same number of tokens from each
-        (llama_batch_allocr::split_equal): the parts go in by slot number, so neighbours share, and
-        a slot missing between them gets a throwaway row (stream_gaps, RuntimeOptions.fill_stream_gaps)."""
+        (llama_batch_allocr::split_equal): the parts go in by slot number, so neighbours share; a
+        slot missing between them, and steps shorter than the longest where that makes the pass
+        one graph cheaply, get throwaway rows (stream_layout, RuntimeOptions.fill_stream_gaps),
+        removed after the pass."""
         if self.shares_cells:
             return self._eval_many(parts)
-        fill: list[tuple[Slot, Sequence[int], Output]] = []
-        if self.opts.fill_stream_gaps:
-            # A throwaway row (the slot's own last token again, no logits) at the end of each
-            # slot missing between the others', removed after the pass: on a 2-core Xeon, slots
-            # {0, 2, 3} a row each took 149 ms as two graphs, 113 ms with it as one.
-            rows = sum(len(toks) for _, toks, _ in parts)
-            for seq in stream_gaps([slot.seq for slot, _, _ in parts]):
-                s = self._slots[seq]
-                if rows + len(fill) < self.opts.n_batch and len(s.tokens) < self.n_ctx:
-                    fill.append((s, s.tokens[-1:] or [0], "none"))
-        kept = {slot.seq: len(slot.tokens) for slot, _, _ in fill}
-        every = sorted([*parts, *fill], key=lambda part: part[0].seq)
-        try:
-            outs = self._eval_many(every)
-        finally:
-            for slot, _, _ in fill:
-                slot.truncate(kept[slot.seq])
+        real = {slot.seq: len(toks) for slot, toks, _ in parts}
+        run = stream_layout(real) if self.opts.fill_stream_gaps else real
+        pads = {seq: n - real.get(seq, 0) for seq, n in run.items() if n > real.get(seq, 0)}
+        if sum(run.values()) > self.opts.n_batch or any(len(self._slots[seq].tokens) + n > self.n_ctx for seq, n in run.items()):
+            pads = {}  # no room for them: the pass as the parts make it
+        idle = [(self._slots[seq], [], "none") for seq in pads if seq not in real]
+        every = sorted([*parts, *idle], key=lambda part: part[0].seq)
+        outs = self._eval_many(every, pads)
         by_seq = {slot.seq: out for (slot, _, _), out in zip(every, outs)}
         return [by_seq[slot.seq] for slot, _, _ in parts]  # in the caller's order
 
@@ -476,14 +470,16 @@ class Runtime:
             return [(len(rows), sum(n for _, n in rows))] if rows else []
         return stream_graphs({slot.seq: n for slot, n in rows}, self.opts.fill_stream_gaps)
 
-    def _eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]]) -> list[np.ndarray]:
-        n = sum(len(toks) for _, toks, _ in parts)
+    def _eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]], pads: Mapping[int, int] = {}) -> list[np.ndarray]:
+        """eval_many's pass; pads: throwaway rows after a slot's tokens (its last token again, no
+        logits), their cells removed after the pass."""
+        n = sum(len(toks) + pads.get(slot.seq, 0) for slot, toks, _ in parts)
         if n > self.opts.n_batch:
             raise ValueError(f"{n} tokens in one pass; n_batch is {self.opts.n_batch}")
         if len({slot.seq for slot, _, _ in parts}) != len(parts):
             raise ValueError("eval_many: two parts name the same slot")
         for slot, toks, _ in parts:
-            if len(slot.tokens) + len(toks) > self.n_ctx:
+            if len(slot.tokens) + len(toks) + pads.get(slot.seq, 0) > self.n_ctx:
                 raise ContextFull(len(slot.tokens) + len(toks), self.n_ctx)
         if n == 0:
             return [np.empty((0, self.n_vocab), np.float32) for _ in parts]
@@ -502,6 +498,10 @@ class Runtime:
                 b.seq_id[i][0] = slot.seq
                 b.logits[i] = output == "all" or (output == "last" and j == len(toks) - 1)
                 i += 1
+            last = ([*slot.tokens[-1:], *toks] or [0])[-1]
+            for j in range(pads.get(slot.seq, 0)):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = last, pos0 + len(toks) + j, 1, slot.seq, False
+                i += 1
             n_out.append({"all": len(toks), "last": 1 if toks else 0, "none": 0}[output])
         b.n_tokens = n
         rc = self._llama_decode(b, any(output == "all" for _, _, output in parts))
@@ -513,6 +513,8 @@ class Runtime:
         out, r = [], 0
         for (slot, toks, _), m in zip(parts, n_out):
             slot.tokens.extend(int(t) for t in toks)
+            if pads.get(slot.seq):
+                llama_cpp.llama_memory_seq_rm(self._mem, slot.seq, len(slot.tokens), -1)
             out.append(rows[r : r + m] if rows is not None and m else np.empty((0, self.n_vocab), np.float32))
             r += m
         return out
@@ -814,16 +816,34 @@ def stream_gaps(seqs: Sequence[int]) -> list[int]:
     return [s for s in range(min(have), max(have)) if s not in have] if have else []
 
 
+# A pass in streams is padded to one graph when its rows, every step made as long as the longest,
+# are at most this many times the rows it has: on the 2-core Xeon (300 tokens of history each)
+# 3, 1, 1, 1 rows took 209 ms as two graphs and 3, 3, 3, 3 rows 160-181 as one; 5, 1, 1, 1 217 ms
+# and 5, 5, 5, 5 218 (2.5x the rows); 9, 1, 1, 1 257 and 9, 9, 9, 9 375 (3x).
+STREAM_PAD_RATIO = 2.5
+
+
+def stream_layout(rows: Mapping[int, int]) -> dict[int, int]:
+    """The rows per sequence id a pass in streams runs, throwaway rows included: a row for each
+    slot missing between the others (stream_gaps), and, when it costs at most STREAM_PAD_RATIO
+    times the rows, every step made as long as the longest, so that the pass is one graph."""
+    run = {s: n for s, n in rows.items() if n > 0}
+    run.update({s: 1 for s in stream_gaps(list(run))})
+    if run:
+        longest = max(run.values())
+        if longest * len(run) <= STREAM_PAD_RATIO * sum(run.values()):
+            run = dict.fromkeys(run, longest)
+    return run
+
+
 def stream_graphs(rows: Mapping[int, int], fill_gaps: bool = True) -> list[tuple[int, int]]:
     """The graphs of a pass over `rows` tokens per sequence id, with a KV stream per sequence:
     (sequences, rows) each, in order. llama.cpp's split_equal (llama_batch_allocr, sequential)
     takes the run of consecutive ids from the lowest with tokens left and the same number of
-    tokens from each, as many as the shortest has left; then again. So 5, 1, 1 and 1 rows are a
-    graph of 4 rows (one per sequence) and one of 4 (the first sequence's), and {0: 3, 2: 3} two
-    graphs unless a gap row (stream_gaps, fill_gaps) joins them for their first row."""
-    left = {s: n for s, n in rows.items() if n > 0}
-    if fill_gaps:
-        left.update({s: 1 for s in stream_gaps(list(left))})
+    tokens from each, as many as the shortest has left; then again. So 9, 1, 1 and 1 rows are a
+    graph of 4 rows (one per sequence) and one of 8 (the first sequence's), and {0: 3, 2: 3} two
+    graphs unless throwaway rows (stream_layout, fill_gaps) join them."""
+    left = stream_layout(rows) if fill_gaps else {s: n for s, n in rows.items() if n > 0}
     out: list[tuple[int, int]] = []
     while left:
         run = [min(left)]

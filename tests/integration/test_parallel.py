@@ -5,6 +5,7 @@ equals the request's plain decoding alone up to a near-tie (top-2 margin below 2
 
 from __future__ import annotations
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -80,19 +81,49 @@ def test_a_pass_that_skips_a_slot_bridges_it_with_a_row_and_leaves_its_cache_as_
     passes = []
     real = rt._eval_many
 
-    def recording(parts):
-        passes.append([(slot.seq, len(toks), out) for slot, toks, out in parts])
-        return real(parts)
+    def recording(parts, pads=None):
+        passes.append(([(slot.seq, len(toks), out) for slot, toks, out in parts], dict(pads or {})))
+        return real(parts, pads or {})
 
     rt._eval_many = recording  # type: ignore[method-assign]
     try:
         rows = rt.eval_many([(rt.slot(2), prompts[2][-1:], "all"), (rt.slot(0), prompts[0][-1:], "all")])
     finally:
         del rt._eval_many
-    assert passes == [[(0, 1, "all"), (1, 1, "none"), (2, 1, "all")]]  # one run of neighbours: one graph
+    assert passes == [([(0, 1, "all"), (1, 0, "none"), (2, 1, "all")], {1: 1})]  # one run of neighbours: one graph
     assert [r.shape for r in rows] == [(1, rt.n_vocab)] * 2  # the caller's parts, in its order
     assert idle.tokens == prompts[1][:-1]
     assert np.array_equal(idle.eval(prompts[1][-1:], "all"), before)  # nothing of the throwaway row is left
+    for i in range(3):
+        rt.slot(i).reset()
+
+
+def test_short_steps_beside_a_longer_one_are_padded_to_one_graph_and_keep_no_throwaway_cells(models) -> None:
+    """3 rows in slot 0 and 1 in slot 2 (slot 1 idle): every slot runs 3 rows, one graph; each
+    caller gets its own rows, and no slot's cache holds a cell past its tokens afterwards."""
+    rt, _ = models
+    prompts = [encode(rt, t) for t in PROMPTS[:3]]
+    for i, p in enumerate(prompts):
+        rt.slot(i).reset()
+        rt.slot(i).eval(p[:-1], "none")
+    passes = []
+    real = rt._eval_many
+
+    def recording(parts, pads=None):
+        passes.append(([(slot.seq, len(toks)) for slot, toks, _ in parts], dict(pads or {})))
+        return real(parts, pads or {})
+
+    rt._eval_many = recording  # type: ignore[method-assign]
+    try:
+        three, one = rt.eval_many([(rt.slot(0), prompts[0][-1:] + prompts[0][:2], "all"), (rt.slot(2), prompts[2][-1:], "last")])
+    finally:
+        del rt._eval_many
+    assert passes == [([(0, 3), (1, 0), (2, 1)], {1: 3, 2: 2})]
+    assert three.shape == (3, rt.n_vocab) and one.shape == (1, rt.n_vocab)
+    lengths = {0: len(prompts[0]) + 2, 1: len(prompts[1]) - 1, 2: len(prompts[2])}
+    for seq, n in lengths.items():
+        assert len(rt.slot(seq).tokens) == n
+        assert llama_cpp.llama_memory_seq_pos_max(rt._mem, seq) == n - 1  # the throwaway cells are gone
     for i in range(3):
         rt.slot(i).reset()
 

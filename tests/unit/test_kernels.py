@@ -9,7 +9,7 @@ import pytest
 from homespec.config import Config
 from homespec.llama import kernels
 from homespec.llama.kernels import EXACT_MAX_ROWS, TILED_ENV, TILED_MIN_ROWS, batch_invariant_buffers, exact_keeps_amx
-from homespec.llama.runtime import stream_gaps, stream_graphs
+from homespec.llama.runtime import STREAM_PAD_RATIO, stream_gaps, stream_graphs, stream_layout
 from homespec.models import loader
 from homespec.models.loader import runtime_options
 
@@ -191,13 +191,25 @@ def test_a_pass_bridges_the_streams_missing_between_its_slots_and_no_others():
 
 def test_a_pass_in_streams_runs_as_one_graph_per_run_of_neighbours_taking_as_many_rows_from_each():
     """llama_batch_allocr::split_equal as the pass costs measured it (scripts/pass_cost.py
-    --layouts): 5, 1, 1, 1 rows are a graph of one row each and one of the first slot's 4 more."""
-    assert stream_graphs({0: 3, 1: 3, 2: 3, 3: 3}) == [(4, 12)]
-    assert stream_graphs({0: 5, 1: 1, 2: 1, 3: 1}) == [(4, 4), (1, 4)]
-    assert stream_graphs({0: 5, 1: 1, 2: 5, 3: 1}) == [(4, 4), (1, 4), (1, 4)]  # 0 and 2 are no run
-    assert stream_graphs({0: 1, 2: 1, 3: 1}) == [(4, 4)]  # slot 1's throwaway row joins them
+    --layouts): 9, 1, 1, 1 rows are a graph of one row each and one of the first slot's 8 more."""
+    assert stream_graphs({0: 3, 1: 3, 2: 3, 3: 3}, fill_gaps=False) == [(4, 12)]
+    assert stream_graphs({0: 9, 1: 1, 2: 1, 3: 1}, fill_gaps=False) == [(4, 4), (1, 8)]
+    assert stream_graphs({0: 9, 1: 1, 2: 9, 3: 1}, fill_gaps=False) == [(4, 4), (1, 8), (1, 8)]  # 0 and 2 are no run
     assert stream_graphs({0: 1, 2: 1, 3: 1}, fill_gaps=False) == [(1, 1), (2, 2)]
     assert stream_graphs({1: 2, 2: 0}) == [(1, 2)] and stream_graphs({}) == []
+
+
+def test_throwaway_rows_make_a_pass_in_streams_one_graph_where_that_is_cheap():
+    """A slot missing between others gets a row; steps shorter than the longest get rows up to
+    it while that at most STREAM_PAD_RATIO-folds the pass (3, 1, 1, 1 rows: 209 ms as two graphs,
+    160-181 as 3, 3, 3, 3 on the 2-core Xeon), not beyond (9, 1, 1, 1: 257 ms, padded 375)."""
+    assert stream_layout({0: 1, 2: 1, 3: 1}) == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert stream_layout({0: 3, 1: 1, 2: 1, 3: 1}) == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert stream_layout({0: 3, 2: 1, 3: 3}) == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert stream_layout({0: 9, 1: 1, 2: 1, 3: 1}) == {0: 9, 1: 1, 2: 1, 3: 1}
+    assert stream_graphs({0: 3, 2: 1, 3: 3}) == [(4, 12)]
+    assert stream_graphs({0: 17, 1: 1, 2: 1, 3: 1}) == [(4, 4), (1, 16)]
+    assert len(stream_layout({0: 17, 1: 1, 2: 1, 3: 1})) * 17 > STREAM_PAD_RATIO * 20
 
 
 def test_exact_mode_adds_no_throwaway_rows_since_its_narrow_passes_count_their_rows():
