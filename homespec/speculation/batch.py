@@ -183,14 +183,16 @@ class Batch:
 
     def _plan(self, deliver: Deliver) -> None:
         """The steps of the generations that asked (Ask), chosen together by `plan` beside the
-        rest of the next pass (prompt chunks, fixed steps); a lone one decides alone."""
+        rest of the next pass (prompt chunks, fixed steps); a lone one decides alone. (A decode
+        that sits out while a prompt of higher priority is read, `_pack`, is planned as if it
+        ran: the plan is for the passes of decodes.)"""
         asking = [r for r in self._running.values() if r.asking is not None]
         if not asking:
             return
         rest = [(o.pending.target, n) for o in self._running.values()
                 if o.pending is not None and (n := self._next_rows(o)) > 0]
         replies: Sequence[Decision | Beside]
-        if len(asking) == 1 and not rest or self.plan is None or self.graphs is None:
+        if (len(asking) == 1 and not rest) or self.plan is None or self.graphs is None:
             replies = [Beside(sum(n for _, n in rest))] * len(asking)
         else:
             targets = [r.asking.target for r in asking]  # type: ignore[union-attr]

@@ -105,7 +105,8 @@ UNSEEN_CATCHUP_S = 1.0
 # longest), and the common lengths the search starts from besides all plain. Enough to find a
 # pass where all draft a little (the 2-core Xeon, 300 tokens of history each: 4 x 3 rows 160 ms,
 # 4 x 1 row 108) or one copies far beside plain rows (17, 1, 1, 1: 279 ms), and few enough that
-# planning four requests takes ~1-2 ms of Python, in a pass of ~100-300.
+# planning four requests takes 2-3 ms of Python (6 at most, measured in-process), in a pass of
+# ~100-300.
 PLAN_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PLAN_LENGTHS = (2, 3, 5, 9, 17)
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
