@@ -118,10 +118,17 @@ def build_proposers(cfg: Config, models: ModelSet, slot: int = 0, memory: NgramM
     ngram = cfg.speculation.ngram
     out: list[Proposer] = [NgramProposer(ngram.n_min, ngram.n_max, memory)]
     if models.draft is not None:
-        out.append(DraftProposer(models.draft if slot == 0 else models.draft.slot(slot), models.target.n_vocab))
+        out.append(draft_proposer(models, slot))
     if models.mtp_head is not None and slot == 0:
         out.append(MTPProposer(models.target, models.mtp_head))
     return out
+
+
+def draft_proposer(models: ModelSet, slot: int = 0) -> DraftProposer:
+    """The draft model's proposer for a request in `slot`: its own sequence of the draft's
+    context, whose passes a batch runs beside the other slots' (Runtime.eval_many)."""
+    assert models.draft is not None
+    return DraftProposer(models.draft.slot(slot), models.target.n_vocab, together=models.draft.eval_many)
 
 
 # prompt lookup's memory of answers, beside the saved histories (prefix_store.save_arrays)
@@ -179,7 +186,7 @@ class Host:
         whose measured draft costs are kept from before."""
         self.models.load_draft(self.cfg)
         if self.models.draft is not None and DraftProposer.name not in self.controller.proposers:
-            self.controller.add_proposer(DraftProposer(self.models.draft, self.models.target.n_vocab))
+            self.controller.add_proposer(draft_proposer(self.models))
         self._slot_proposers.clear()
 
     def __enter__(self) -> Host:

@@ -139,6 +139,7 @@ class Batch:
         for the drafts of the generations after it in the round, nor for its own proposers'
         prefill (engine.py). A generation that ended (its last event has a finish_reason) is
         removed."""
+        self._draft(deliver)  # (none left from the round before, unless a generation joined midway)
         parts = self._pack()
         if not parts:
             return
@@ -180,6 +181,34 @@ class Batch:
             self._advance(r, reply, deliver, self._beside(r.key, planned))
             planned[r.key] = self._next_rows(r) if r.key in self._running else 0
         self._plan(deliver)
+        self._draft(deliver)
+
+    def _draft(self, deliver: Deliver) -> None:
+        """Run the proposers' passes (Pass.draft: a draft model's) the next target pass waits
+        for: those that name the same `together` as one pass (all requests' next drafted token
+        at once, rather than one pass per request and token), until every generation has its
+        target pass again."""
+        while True:
+            drafting = [r for r in self._running.values() if r.pending is not None and r.pending.draft]
+            if not drafting:
+                return
+            groups: dict[object, list[_Running]] = {}
+            for r in drafting:
+                groups.setdefault(r.pending.together or id(r), []).append(r)  # type: ignore[union-attr]
+            for group in groups.values():
+                passes = [r.pending for r in group]
+                together = passes[0].together  # type: ignore[union-attr]
+                if len(group) == 1 or together is None:
+                    outs = [p.run() for p in passes]  # type: ignore[union-attr]
+                else:
+                    t0 = time.perf_counter()
+                    outs = together([(p.target, p.tokens, p.output) for p in passes])  # type: ignore[union-attr]
+                    seconds, rows = time.perf_counter() - t0, sum(len(p.tokens) for p in passes)  # type: ignore[union-attr]
+                    for p in passes:
+                        p.rows, p.seconds = rows, seconds  # type: ignore[union-attr]
+                for r, logits in zip(group, outs):
+                    r.pending = None
+                    self._advance(r, logits, deliver)
 
     def _plan(self, deliver: Deliver) -> None:
         """The steps of the generations that asked (Ask), chosen together by `plan` beside the
@@ -212,6 +241,8 @@ class Batch:
         p = r.pending
         if p is None:
             return 1 if r.asking is not None else 0  # its step, at least its plain row
+        if p.draft:  # its step is being drafted
+            return p.verify_rows
         if not _is_prefill(p):
             return len(p.tokens)
         left = len(p.tokens) - r.done - reading

@@ -518,7 +518,7 @@ class Controller:
             else:
                 self.cost.observe_verify(own, step.verify_s)
         catchup = step.info.catchup_s
-        if catchup:
+        if catchup and not step.info.shared:
             self.cost.observe_catchup(step.proposer, step.info.catchup_tokens, catchup)
         probing = self.req.probing == step.proposer
         self.req.probing = None
@@ -529,7 +529,8 @@ class Controller:
         self.total_s = self.total_s * _BUDGET_DECAY + spent
         # Steps of no registered proposer (plain, or a grammar's forced tokens) teach no acceptance.
         if step.proposer in self.proposers and step.proposed:
-            self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
+            if not step.info.shared:
+                self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
             if key.greedy_repeat and len(step.info.gaps):

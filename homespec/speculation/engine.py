@@ -35,14 +35,14 @@ is reproducible. The price is acceptance: a draft raced against the same keys is
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Hashable, Iterator, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from homespec.speculation.constraints import Grammar, apply_masks
-from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer
+from homespec.speculation.proposers.base import Proposal, ProposalInfo, Proposer, SteppedProposer
 from homespec.speculation.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -274,6 +274,12 @@ class Pass:
     rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
     seconds: float = 0.0  # set by the driver: how long that decode took
     timed: bool = True  # set by the driver: False when that decode also read prompt chunks
+    # A proposer's pass (a draft model's), not the target's: a driver runs it before the target
+    # pass, beside the passes of other requests' proposers that name the same `together`
+    # (Runtime.eval_many of the draft's context; None: alone).
+    draft: bool = False
+    together: Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]] | None = None
+    verify_rows: int = 0  # a proposer's pass: the rows of the verify pass it drafts for, at most
 
     def run(self) -> np.ndarray:
         t0 = time.perf_counter()
@@ -458,6 +464,8 @@ class Engine:
         forced: the grammar's jump-forward tokens, verified in place of a proposal."""
         if forced:
             proposal, name = Proposal(list(forced)), FORCED
+        elif isinstance(proposer, SteppedProposer):  # its passes go through the driver (batch.py)
+            proposal, name = (yield from proposer.propose_steps(ctx, k, params, rng)), proposer.name
         else:
             proposal = proposer.propose(ctx, k, params, rng) if proposer is not None else Proposal([])
             name = proposer.name if proposer is not None else OFF

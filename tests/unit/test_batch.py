@@ -76,6 +76,35 @@ def test_each_request_in_a_batch_emits_exactly_what_it_emits_alone(params: Sampl
     assert all(got[i][-1].finish_reason == "length" for i in range(4))
 
 
+class Drafting(FixedPolicy):
+    """A fixed draft of k tokens; records whether each proposal's passes were shared."""
+
+    def __init__(self, proposer, k: int) -> None:
+        super().__init__(proposer, k)
+        self.shared: list[bool] = []
+
+    def observe(self, step) -> None:
+        self.shared.append(step.info.shared)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, seed=11)], ids=["greedy", "seeded"])
+def test_the_draft_model_drafts_for_several_requests_in_one_pass_and_each_emits_what_it_emits_alone(params) -> None:
+    """A draft model's passes for the requests drafting go through its context's eval_many
+    together, a drafted token for all at once; each request's output stays its own, and steps
+    drafted so tell the controller their time is no lone proposing cost."""
+    rt, draft = FakeRuntime(n_seq=3), FakeRuntime(n_seq=3)
+    want = [alone(p, FixedPolicy(DraftProposer(FakeRuntime(), rt.n_vocab), 3), params=params, max_tokens=30) for p in PROMPTS[:3]]
+    policies = [Drafting(DraftProposer(draft.slot(i), rt.n_vocab, together=draft.eval_many), 3) for i in range(3)]
+    starts = {i: Engine(rt.slot(i)).steps(p, params, 30, policy=policies[i]) for i, p in enumerate(PROMPTS[:3])}
+    got = drive(Batch(rt.eval_many, n_batch=512, prefill_chunk=64), starts)
+    assert [tokens(got[i]) for i in range(3)] == want
+    assert any(sorted(seq for seq, _ in p) == [0, 1, 2] for p in draft.passes)  # one draft pass for all three
+    assert all(any(pol.shared) for pol in policies)
+    lone = Drafting(DraftProposer(FakeRuntime(), rt.n_vocab, together=draft.eval_many), 3)
+    list(Engine(FakeRuntime()).generate(PROMPTS[0], params, 10, policy=lone))
+    assert lone.shared and not any(lone.shared)  # alone, its passes are its own
+
+
 def test_running_requests_share_one_pass_each_round_with_their_own_rows() -> None:
     rt = FakeRuntime(n_seq=3)
     starts = {i: Engine(rt.slot(i)).steps(PROMPTS[i], max_tokens=12, policy=FixedPolicy(NgramProposer(1, 3), 3)) for i in range(3)}

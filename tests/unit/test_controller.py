@@ -656,3 +656,16 @@ def test_in_streams_a_draft_beside_plain_rows_is_priced_as_the_pass_of_its_own_i
     c.split_steps = True
     assert c.decide(m.ctx, alongside=3).k == 0
     assert c.decide(m.ctx).k > 0  # alone, a pass is one graph
+
+
+def test_a_draft_made_beside_other_requests_drafts_teaches_no_lone_proposing_cost() -> None:
+    """The draft model's passes for several requests at once take longer than one request's
+    (9 against 19.5 ms a token for three on 2 cores): a lone request must not be priced at that."""
+    m = Machine(cpu_cost, {"draft": 0.8}, draft_s=0.01)
+    c = m.controller(proposers=("draft",))
+    before = c.cost.propose_s["draft"]  # seconds a token, at the machine's pace
+    shared = StepStats("draft", 3, 3, 2, 0.06, 0.2, (True, True, False), ProposalInfo(shared=True))
+    c.observe(shared)
+    assert c.cost.propose_s["draft"] == before
+    c.observe(StepStats("draft", 3, 3, 2, 0.06, 0.2, (True, True, False), ProposalInfo()))
+    assert c.cost.propose_s["draft"] != before

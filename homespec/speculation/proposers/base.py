@@ -13,13 +13,16 @@ implements `Proposer`, plus registering it with the controller (`Controller.add_
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from homespec.speculation.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from homespec.speculation.engine import Pass
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,10 @@ class ProposalInfo:
     # a cost per drafted token: reported apart so the cost model stays clean.
     catchup_s: float = 0.0  # seconds of draft_s spent catching up
     catchup_tokens: int = 0  # tokens (or head entries) caught up on
+    # Its model's passes ran beside other requests' (batch.py): their seconds are no measure of
+    # proposing alone, which the cost model keeps (the 0.5B draft on 2 cores: a token for one
+    # request 9 ms, for three at once 19.5).
+    shared: bool = False
     gaps: np.ndarray = field(default_factory=lambda: NO_GAPS, compare=False)  # [proposed] as Preview.gaps
 
 
@@ -128,3 +135,19 @@ class Proposer(Protocol):
 
     def close(self) -> None:
         """Free resources (a model) — the proposer is not used afterwards."""
+
+
+@runtime_checkable
+class SteppedProposer(Proposer, Protocol):
+    """A proposer with a model whose passes a batch driver may run beside other requests' (a
+    draft model: one pass per drafted token for all requests drafting, rather than one per
+    request and token)."""
+
+    # Runs several of its passes (of several sequences of its model) as one; None: alone.
+    together: Callable[[Sequence[Any]], list[np.ndarray]] | None
+
+    def propose_steps(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Generator[Pass, np.ndarray, Proposal]:
+        """`propose`, yielding each pass of its model (engine.Pass, draft=True) for the logits."""
+        ...

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
+from homespec.speculation.engine import Pass
 from homespec.speculation.proposers.base import IN_STEP_LAG, Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams, draw, penalize, probabilities, window
 from homespec.speculation.target import Target
@@ -31,10 +33,14 @@ class DraftProposer:
     name = "draft"
     free_prefill = False  # reading the prompt delays the second token and the round: only while drafting pays
 
-    def __init__(self, runtime: Target, target_vocab: int) -> None:
+    def __init__(self, runtime: Target, target_vocab: int,
+                 together: Callable[[Sequence[Any]], list[np.ndarray]] | None = None) -> None:
         self.rt = runtime
         # Tokenizers may differ by padding rows (gguf_info allows <= 128): pad q to the target's.
         self.target_vocab = target_vocab
+        # Runs passes of several slots of the draft's context as one (Runtime.eval_many): a batch
+        # driver drafts for all requests in one pass per token. None: its passes run alone.
+        self.together = together
 
     def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         # Prefill all but the last token without logits; the first proposal evaluates the rest.
@@ -55,12 +61,28 @@ class DraftProposer:
     def propose(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Proposal:
+        steps = self.propose_steps(context, k, params, rng)
+        try:
+            p = next(steps)
+            while True:
+                p = steps.send(p.run())
+        except StopIteration as done:
+            return done.value
+
+    def propose_steps(
+        self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
+    ) -> Generator[Pass, np.ndarray, Proposal]:
+        """`propose`, yielding each pass of the draft (for a batch driver to run beside other
+        requests' drafts, `together`)."""
         t0 = time.perf_counter()
         k = min(k, self.rt.n_ctx - len(context))  # room in the draft's own cache
         if k <= 0:
             return Proposal([], None, 0.0)
         behind = len(context) - len(self.rt.tokens)  # tokens to catch up on (1-2 after a step)
-        logits = self.rt.sync(context, output="last")[0]  # [draft_vocab] after context
+        keep = min(common_prefix(self.rt.tokens, context), len(context) - 1)  # as Target.sync
+        self.rt.truncate(keep)
+        passes = [self._pass(context[keep:], k)]
+        logits = (yield passes[-1])[0]  # [draft_vocab] after context
         # A long catch-up (the draft sat out some steps) is a switching cost, not a drafting
         # cost per token: report it apart so the controller's cost model stays clean.
         catchup_s = time.perf_counter() - t0 if behind > IN_STEP_LAG else 0.0
@@ -77,10 +99,15 @@ class DraftProposer:
                 qs.append(q)
             tokens.append(tok)
             if i + 1 < k:
-                logits = self.rt.eval([tok], output="last")[0]
+                passes.append(self._pass([tok], k))
+                logits = (yield passes[-1])[0]
         q_arr = np.stack(qs) if qs else None  # [k, vocab]
-        info = ProposalInfo(catchup_s=catchup_s, catchup_tokens=max(behind, 0) if catchup_s else 0)
+        shared = any(p.rows > len(p.tokens) for p in passes)  # the driver ran it beside others' (Pass.rows)
+        info = ProposalInfo(catchup_s=catchup_s, catchup_tokens=max(behind, 0) if catchup_s else 0, shared=shared)
         return Proposal(tokens, q_arr, time.perf_counter() - t0, info)
+
+    def _pass(self, tokens: Sequence[int], k: int) -> Pass:
+        return Pass(self.rt, list(tokens), "last", draft=True, together=self.together, verify_rows=k + 1)
 
     def measure_cost(self, context: Sequence[int], probe: Sequence[int], passes: int) -> ProposerCost:
         """Per proposed token: one-token passes (median); per caught-up token: one batch."""
