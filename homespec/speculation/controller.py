@@ -175,7 +175,10 @@ class Choice(NamedTuple):
     proposer: str  # OFF: plain
     k: int
     tokens: float  # expected tokens it emits
-    draft_s: float  # seconds proposing them (catching up included), before the pass
+    draft_s: float  # seconds proposing them alone (catching up included), before the pass
+    # Its model drafts for every request choosing it in one pass per token (batch.py), which
+    # costs together_s[proposer][n] of a lone pass for n requests' rows.
+    together: bool = False
 
 
 @dataclass
@@ -247,6 +250,10 @@ class Controller:
         # 128-token prompt chunk ~1.4 s.
         self.together_rows = together_rows
         self.cost = CostModel(k_max + 1, cfg.cost_ewma)
+        # proposer -> [n]: a pass of its model over one row each of n requests, in passes over one
+        # row (index 0 unused); measured at warm-up (set_together_cost). A proposer absent here
+        # drafts for each request on its own.
+        self.together_s: dict[str, np.ndarray] = {}
         # Passes of several requests, learned apart: such a pass is not one request's pass of as
         # many rows (several histories to attend over, rows spread over sequences), its rows reach
         # past one request's k_max + 1, and its timings would otherwise move a lone request's
@@ -335,6 +342,14 @@ class Controller:
                 self.set_proposer_cost(name, measured.per_token_s, measured.catchup_per_token_s)
                 out[name] = {1: measured.per_token_s, measured.catchup_tokens: measured.catchup_per_token_s * measured.catchup_tokens}
         return out
+
+    def set_together_cost(self, name: str, seconds: Mapping[int, float]) -> None:
+        """A proposer's model drafting for n requests at once: seconds of a pass over one row of
+        each of n requests, n = 1, 2, ... (a warm-up timing)."""
+        ns = sorted(seconds)
+        if not ns or ns[0] != 1 or seconds[1] <= 0:
+            return
+        self.together_s[name] = np.concatenate([[0.0], np.interp(np.arange(1, ns[-1] + 1), ns, [seconds[n] / seconds[1] for n in ns])])
 
     def set_proposer_cost(self, name: str, per_token_s: float, catchup_per_token_s: float | None = None) -> None:
         """Seconds per proposed token (and per token caught up) at the current pace."""
@@ -433,8 +448,9 @@ class Controller:
         choices = [Choice(OFF, 0, 1.0, 0.0)]
         for p, o in options.items():
             emitted = expected_emitted(self._rates(o))  # [k_max + 1]
+            together = p in self.together_s and getattr(self._usable()[p], "together", None) is not None
             for k in sorted({*(k for k in PLAN_KS if k < o.k), o.k}):
-                choices.append(Choice(p, k, float(emitted[k]), float(self.cost.propose(p, k)) + o.switch_s))
+                choices.append(Choice(p, k, float(emitted[k]), float(self.cost.propose(p, k)) + o.switch_s, together))
         return Offer(self.req, options, choices)
 
     def plan(self, offers: Sequence[Offer], graphs: Callable[[Sequence[int]], Sequence[tuple[int, int]]]) -> list[Decision]:
@@ -458,12 +474,26 @@ class Controller:
                 priced[rows] = sum(float(self.cost.verify(n) if seqs == 1 else shared.verify(n)) for seqs, n in graphs(rows))
             return priced[rows]
 
+        def drafting_s(steps: Sequence[Choice]) -> float:
+            """Seconds before the pass: each request's drafting alone, but for a model that
+            drafts for all at once: a pass per drafted token, of the requests still drafting."""
+            alone = sum(c.draft_s for c in steps if not c.together)
+            for p in {c.proposer for c in steps if c.together}:
+                mine = [c for c in steps if c.together and c.proposer == p]
+                per_token = float(self.cost.propose(p, 1))
+                ks = np.array([c.k for c in mine])  # [requests]
+                drafting = (ks[:, None] >= np.arange(1, ks.max() + 1)).sum(axis=0)  # [max k] requests at each token
+                curve = self.together_s[p]
+                alone += per_token * float(curve[np.minimum(drafting, len(curve) - 1)].sum())
+                alone += sum(c.draft_s - per_token * c.k for c in mine)  # their catching up, each alone
+            return alone
+
         def rate(pick: Sequence[int]) -> float:
             steps = [o.choices[j] for o, j in zip(offers, pick)]
             rows = tuple(c.k + 1 for c in steps)
             if self.together_rows is not None and sum(rows) > max(self.together_rows, len(rows)):
                 return 0.0
-            return sum(c.tokens for c in steps) / (pass_s(rows) + sum(c.draft_s for c in steps))
+            return sum(c.tokens for c in steps) / (pass_s(rows) + drafting_s(steps))
 
         plain = [0] * len(offers)
         starts = [plain] + [[max(range(len(o.choices)), key=lambda j: (o.choices[j].k < m, o.choices[j].tokens)) for o in offers]

@@ -22,8 +22,10 @@ next tokens the grammar forces verifies those instead of asking the policy (jump
 proposer is FORCED and no proposer runs).
 
 Passes: the loop yields each target pass (`Pass`) instead of running it, and gets the logits
-back; `run_alone` runs them at once, batch.py packs the passes of several generations into one
-llama_decode. Either way a generation's tokens are decided from its own rows.
+back, and so does a draft model's proposal for each of its passes (SteppedProposer); `run_alone`
+runs them at once, batch.py packs the passes of several generations into one llama_decode (the
+draft's into one of the draft's context). Either way a generation's tokens are decided from its
+own rows.
 
 Randomness: an unseeded request verifies with Leviathan's rule (rejection_verify) and one rng. A
 seeded one draws the token at each context index from keys derived from (seed, index) alone

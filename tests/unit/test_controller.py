@@ -669,3 +669,26 @@ def test_a_draft_made_beside_other_requests_drafts_teaches_no_lone_proposing_cos
     assert c.cost.propose_s["draft"] == before
     c.observe(StepStats("draft", 3, 3, 2, 0.06, 0.2, (True, True, False), ProposalInfo()))
     assert c.cost.propose_s["draft"] != before
+
+
+def test_a_plan_prices_a_draft_model_drafting_for_all_at_once_at_its_measured_pass_over_their_rows() -> None:
+    """Four requests' 2-token drafts (2.95 tokens kept each) on a CPU's linear curve: drafted one
+    request after another (10 ms a token each) the pass of all drafts does not beat plain rows by
+    min_gain; drafted for all in one pass per token, which costs 1.3 lone passes for four rows
+    (a warm-up timing), it does."""
+    m = Machine(cpu_cost, {"draft": 0.9}, draft_s=0.01)
+    c = m.controller(proposers=("draft",))
+
+    def planned(together: bool) -> list[int]:
+        made = offers(c, m.ctx, 4)
+        for o in made:
+            o.choices = [Choice(OFF, 0, 1.0, 0.0), Choice("draft", 2, 2.95, float(c.cost.propose("draft", 2)), together)]
+        return [d.k for d in c.plan(made, one_graph)]
+
+    c.set_together_cost("draft", {1: 0.009, 2: 0.0099, 4: 0.0117})
+    assert c.together_s["draft"] == pytest.approx([0.0, 1.0, 1.1, 1.2, 1.3])
+    assert planned(together=False) == [0, 0, 0, 0]
+    assert planned(together=True) == [2, 2, 2, 2]
+    assert not any(ch.together for ch in c.policy().offer(m.ctx).choices)  # (its model drafts alone)
+    c.proposers["draft"].together = object()  # as DraftProposer.together: the draft context's eval_many
+    assert all(ch.together for ch in c.policy().offer(m.ctx).choices[1:])

@@ -1,9 +1,11 @@
 """A small GGUF model with the target's tokenizer guesses the next k tokens, one pass each.
 
-Its KV cache follows the committed context through `Runtime.sync`: before each proposal the
+Its KV cache follows the committed context as `Target.sync` would: before each proposal the
 draft evaluates only what it has not seen (after a step: the bonus token, plus the last
 accepted token when all k were accepted) in one batch, and that batch's last logits give the
 first guess — no pass is spent twice. Rejected guesses are truncated away on the next sync.
+Each pass is yielded (`propose_steps`), so that a batch driver runs the passes of all requests
+drafting at once as one pass of the draft's context (`together`, batch.py).
 
 Under sampling each guess is drawn from q = sampling.probabilities(draft logits) with the
 request's own SamplingParams, so that q and the target's p come from the same transform, as
