@@ -464,11 +464,8 @@ class Runtime:
 
     def graphs(self, rows: Sequence[tuple[Slot, int]]) -> list[tuple[int, int]]:
         """The graphs llama.cpp runs a pass of `rows` (tokens per slot) as, in order: (sequences,
-        rows) each. One buffer: one graph. A stream per sequence: as `eval_many` lays the pass
-        out (stream_graphs)."""
-        if self.shares_cells:
-            return [(len(rows), sum(n for _, n in rows))] if rows else []
-        return stream_graphs({slot.seq: n for slot, n in rows}, self.opts.fill_stream_gaps)
+        rows) each, as `eval_many` lays the pass out (pass_graphs)."""
+        return pass_graphs({slot.seq: n for slot, n in rows}, self.shares_cells, self.opts.fill_stream_gaps)
 
     def _eval_many(self, parts: Sequence[tuple[Slot, Sequence[int], Output]], pads: Mapping[int, int] = {}) -> list[np.ndarray]:
         """eval_many's pass; pads: throwaway rows after a slot's tokens (its last token again, no
@@ -834,6 +831,14 @@ def stream_layout(rows: Mapping[int, int]) -> dict[int, int]:
         if longest * len(run) <= STREAM_PAD_RATIO * sum(run.values()):
             run = dict.fromkeys(run, longest)
     return run
+
+
+def pass_graphs(rows: Mapping[int, int], unified: bool, fill_gaps: bool = True) -> list[tuple[int, int]]:
+    """The graphs of a pass over `rows` tokens per sequence id: (sequences, rows) each, in order.
+    One KV buffer (unified): one graph. A stream per sequence: stream_graphs."""
+    if unified:
+        return [(len(rows), sum(rows.values()))] if rows else []
+    return stream_graphs(rows, fill_gaps)
 
 
 def stream_graphs(rows: Mapping[int, int], fill_gaps: bool = True) -> list[tuple[int, int]]:

@@ -488,8 +488,15 @@ class Controller:
                 alone += sum(c.draft_s - per_token * c.k for c in mine)  # their catching up, each alone
             return alone
 
+        rated: dict[tuple[int, ...], float] = {}  # the search meets the same picks again and again
+
         def rate(pick: Sequence[int]) -> float:
-            steps = [o.choices[j] for o, j in zip(offers, pick)]
+            key = tuple(pick)
+            if key not in rated:
+                rated[key] = steps_rate([o.choices[j] for o, j in zip(offers, pick)])
+            return rated[key]
+
+        def steps_rate(steps: Sequence[Choice]) -> float:
             rows = tuple(c.k + 1 for c in steps)
             if self.together_rows is not None and sum(rows) > max(self.together_rows, len(rows)):
                 return 0.0

@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from homespec.llama.fim import FimTokens
-from homespec.llama.runtime import ContextFull, KvState, RuntimeOptions, stream_graphs
+from homespec.llama.runtime import ContextFull, KvState, RuntimeOptions, pass_graphs
 from homespec.speculation.proposers.base import Preview
 from homespec.speculation.proposers.ngram import Match, NgramProposer
 from homespec.tokens import common_prefix
@@ -53,9 +53,7 @@ class FakeRuntime:
 
     def graphs(self, rows: Sequence[tuple[FakeRuntime, int]]) -> list[tuple[int, int]]:
         """Runtime.graphs: how llama.cpp would run a pass of `rows` per sequence."""
-        if self.shares_cells:
-            return [(len(rows), sum(n for _, n in rows))] if rows else []
-        return stream_graphs({t.seq: n for t, n in rows})
+        return pass_graphs({t.seq: n for t, n in rows}, self.shares_cells)
 
     def logits_after(self, context: Sequence[int]) -> np.ndarray:  # [vocab]
         key = zlib.crc32(np.asarray([self.seed, *context[-self.order:]], dtype=np.int64).tobytes())
