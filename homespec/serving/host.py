@@ -117,19 +117,23 @@ def build_proposers(cfg: Config, models: ModelSet, slot: int = 0, memory: NgramM
     model reads along in its own sequence of the same number; the MTP head reads the hidden
     states the target keeps for slot 0 only)."""
     ngram = cfg.speculation.ngram
-    out: list[Proposer] = [NgramProposer(ngram.n_min, ngram.n_max, memory)]
+    lookup = NgramProposer(ngram.n_min, ngram.n_max, memory)
+    out: list[Proposer] = [lookup]
     if models.draft is not None:
-        out.append(draft_proposer(models, slot))
+        out.append(draft_proposer(models, slot, lookup))
     if models.mtp_head is not None and slot == 0:
         out.append(MTPProposer(models.target, models.mtp_head))
     return out
 
 
-def draft_proposer(models: ModelSet, slot: int = 0) -> DraftProposer:
+def draft_proposer(models: ModelSet, slot: int = 0, lookup: NgramProposer | None = None) -> DraftProposer:
     """The draft model's proposer for a request in `slot`: its own sequence of the draft's
-    context, whose passes a batch runs beside the other slots' (Runtime.eval_many)."""
+    context, whose passes a batch runs beside the other slots' (Runtime.eval_many); its
+    guesses go on as the prompt does where they copy it (`lookup`: the same request's prompt
+    lookup, DraftProposer.copy)."""
     assert models.draft is not None
-    return DraftProposer(models.draft.slot(slot), models.target.n_vocab, together=models.draft.eval_many)
+    return DraftProposer(models.draft.slot(slot), models.target.n_vocab, together=models.draft.eval_many,
+                         copy=lookup.copy if lookup is not None else None)
 
 
 # prompt lookup's memory of answers, beside the saved histories (prefix_store.save_arrays)
@@ -187,7 +191,8 @@ class Host:
         whose measured draft costs are kept from before."""
         self.models.load_draft(self.cfg)
         if self.models.draft is not None and DraftProposer.name not in self.controller.proposers:
-            self.controller.add_proposer(draft_proposer(self.models))
+            lookup = self.controller.proposers.get(NgramProposer.name)
+            self.controller.add_proposer(draft_proposer(self.models, 0, lookup if isinstance(lookup, NgramProposer) else None))
         self._slot_proposers.clear()
 
     def __enter__(self) -> Host:

@@ -567,7 +567,7 @@ class Controller:
         # Steps of no registered proposer (plain, or a grammar's forced tokens) teach no acceptance.
         if step.proposer in self.proposers and step.proposed:
             if not step.info.shared:
-                self.cost.observe_propose(step.proposer, step.proposed, max(0.0, step.draft_s - catchup))
+                self.cost.observe_propose(step.proposer, step.proposed - step.info.copied, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
             if key.greedy_repeat and len(step.info.gaps):

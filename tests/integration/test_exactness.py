@@ -70,6 +70,35 @@ def test_greedy_speculation_matches_plain_decoding_except_at_near_ties(target_rt
 
 
 @pytest.mark.integration
+def test_an_edit_draft_goes_on_as_the_prompt_and_says_what_plain_decoding_says(target_rt, draft_rt, epsilon):
+    """The draft model makes the rename it was asked for; past it, its guesses copy the prompt,
+    and the prompt's next tokens are proposed without its passes (DraftProposer.copy). They are
+    verified as any draft is: the rules above hold."""
+    rec = Recording(target_rt)
+    engine = Engine(rec)
+    prompt = encode(target_rt, PROMPTS[2])
+    plain, _ = generate(engine, prompt, FixedPolicy())
+    plain_margins = {pos: margin(row) for pos, row in rec.rows}
+    rec.rows.clear()
+    lookup = NgramProposer(2, 12)
+    lookup.begin(prompt)
+    policy = FixedPolicy(DraftProposer(draft_rt, target_rt.n_vocab, copy=lookup.copy), 16)
+    engine.target.reset()
+    events = list(engine.generate(prompt, max_tokens=MAX_TOKENS, policy=policy))
+    spec = [t for ev in events for t in ev.tokens]
+    copied = sum(ev.step.info.copied for ev in events if ev.step)
+    verified = dict(rec.rows)
+    for i, tok in enumerate(spec[1:], start=1):
+        assert int(np.argmax(verified[len(prompt) + i - 1])) == tok, f"token {i} is not the target's argmax"
+    j = first_divergence(plain, spec)
+    print(f"\nan edit's draft: {copied} tokens copied from the prompt; {'same text' if j is None else f'diverged at token {j}'}")
+    assert copied > 0
+    if j is not None:
+        m = plain_margins.get(len(prompt) + j - 1)
+        assert m is not None and m < 2 * epsilon, f"diverged at token {j} where the top-2 margin was {m}"
+
+
+@pytest.mark.integration
 def test_self_speculation_accepts_nearly_everything(draft_rt):
     """The 0.5B drafting for itself: any rejection can only come from batch noise."""
     from homespec.llama.runtime import Runtime

@@ -671,6 +671,17 @@ def test_a_draft_made_beside_other_requests_drafts_teaches_no_lone_proposing_cos
     assert c.cost.propose_s["draft"] != before
 
 
+def test_tokens_a_draft_copied_from_the_prompt_teach_no_cost_per_drafted_token() -> None:
+    """A 40-token edit draft of which the model guessed 8 (DraftProposer.copy): its seconds are
+    8 passes of the draft, not 40, whose per-token cost would price every code draft at a fifth."""
+    m = Machine(cpu_cost, {"draft": 0.8}, draft_s=0.01)
+    c = m.controller(proposers=("draft",))
+    per_token = float(c.cost.propose("draft", 1))  # seconds
+    for _ in range(50):  # (untimed passes: the machine's pace stays as it is)
+        c.observe(StepStats("draft", 40, 40, 40, 8 * per_token, 0.4, (True,) * 40, ProposalInfo(copied=32), timed=False))
+    assert float(c.cost.propose("draft", 1)) == pytest.approx(per_token)
+
+
 def test_a_plan_prices_a_draft_model_drafting_for_all_at_once_at_its_measured_pass_over_their_rows() -> None:
     """Four requests' 2-token drafts (2.95 tokens kept each) on a CPU's linear curve: drafted one
     request after another (10 ms a token each) the pass of all drafts does not beat plain rows by

@@ -167,6 +167,40 @@ def test_draft_catches_up_in_one_batch_and_never_reevaluates_the_prompt():
     assert max(draft_rt.evals[1:]) <= 2
 
 
+def _copying_rig(copy: bool):
+    """A prompt that holds 40 tokens of its own greedy answer: the scripted target's logits see
+    two tokens back, so after PROMPT's end again it answers as it did after PROMPT."""
+    ref, _, _, _ = plain(max_tokens=60)
+    prompt = [*PROMPT, *ref[:40], *PROMPT]
+    eng = make_engine(draft_seed=0)  # a draft that guesses as the target
+    ngram = NgramProposer(2, 5)
+    ngram.begin(prompt)
+    eng.proposers["draft"].copy = ngram.copy if copy else None
+    return eng, prompt, ref
+
+
+def test_draft_guesses_that_copy_the_prompt_go_on_as_it_without_draft_passes():
+    runs = {}
+    for copy in (False, True):
+        eng, prompt, ref = _copying_rig(copy)
+        out, _, events, st = run(eng, prompt, policy=("draft", 16), max_tokens=60)
+        assert out == ref  # exact: the copy past the prompt's 40 answer tokens is refused where it is wrong
+        runs[copy] = (len(eng.proposers["draft"].rt.evals), sum(e.step.info.copied for e in events if e.step))
+    (passes_alone, copied_alone), (passes, copied) = runs[False], runs[True]
+    assert copied_alone == 0 and copied > 0
+    assert passes <= passes_alone - copied // 2  # each copied token saved its draft pass, or nearly
+
+
+def test_a_draft_copies_the_prompt_only_for_greedy_requests():
+    prompt = [*PROMPT, 1, 2, 3, 4]
+    draft = DraftProposer(FakeRuntime(seed=0), 64, copy=lambda context, drafted, k: [5] * k if len(drafted) >= 2 else [])
+    draft.begin(prompt)
+    greedy = draft.propose(prompt, 6, SamplingParams(), np.random.default_rng(0))
+    assert greedy.tokens[2:] == [5] * 4 and greedy.info.copied == 4 and greedy.q is None
+    sampled = draft.propose(prompt, 6, SamplingParams(temperature=0.8, seed=1), np.random.default_rng(0))
+    assert len(sampled.tokens) == 6 and sampled.info.copied == 0 and sampled.q.shape == (6, 64)
+
+
 def test_the_first_token_is_out_before_the_draft_reads_the_prompt():
     """A draft's prefill of the prompt is not in the time to first token: the first event is
     handed out before the proposers begin (a voice command's wait is the product)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from homespec.speculation.proposers.ngram import MATCH_CAP, NgramIndex, NgramProposer
+from homespec.speculation.proposers.ngram import COPY_MATCH, MATCH_CAP, NgramIndex, NgramProposer
 from homespec.speculation.sampling import SamplingParams
 
 
@@ -88,3 +88,34 @@ def test_a_new_request_without_begin_takes_its_context_as_the_prompt():
     prop.begin([1, 2, 3])
     m = prop.match([5, 6, 7, 5, 6], 1)  # not an extension of [1, 2, 3]: a new request
     assert m.tokens == [7] and m.from_prompt
+
+
+def test_lookup_after_guesses_matches_as_if_they_followed_without_indexing_them():
+    idx = NgramIndex(2, 3)
+    idx.sync([1, 2, 3, 4, 5, 6, 7, 2])
+    assert _got(idx.lookup(2, after=[3, 4])) == ([5, 6], 3)  # "2 3 4": the guesses and one token back
+    assert _got(idx.lookup(2, after=[4, 8])) == ([], 0)
+    assert idx.tokens == [1, 2, 3, 4, 5, 6, 7, 2]  # the guesses were not indexed
+
+
+# A file in the prompt; the answer changes its first token, then copies it.
+FILE = list(range(100, 140))
+EDIT_PROMPT = [1, 2, *FILE, 3]
+
+
+def test_copy_goes_on_as_the_prompt_once_the_guesses_copy_it_copy_match_tokens_back():
+    prop = NgramProposer(2, 5)
+    prop.begin(EDIT_PROMPT)
+    context = [*EDIT_PROMPT, 99]  # the answer so far: the change (99 for FILE[0])
+    short = FILE[1:COPY_MATCH]  # guesses copying the prompt COPY_MATCH - 1 tokens back
+    assert prop.copy(context, short, 5) == []
+    assert prop.copy(context, [*short, FILE[COPY_MATCH]], 5) == FILE[COPY_MATCH + 1 : COPY_MATCH + 6]
+    assert prop.index.tokens == context
+
+
+def test_copy_takes_nothing_from_the_answer_only_from_the_prompt():
+    prop = NgramProposer(2, 5)
+    prop.begin([1, 2, 3])
+    answer = list(range(200, 220))
+    context = [1, 2, 3, *answer, 7]  # the answer says again what it said before
+    assert prop.copy(context, answer[:COPY_MATCH], 5) == []

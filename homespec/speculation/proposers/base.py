@@ -67,6 +67,9 @@ class ProposalInfo:
     # proposing alone, which the cost model keeps (the 0.5B draft on 2 cores: a token for one
     # request 9 ms, for three at once 19.5).
     shared: bool = False
+    # Of the tokens proposed, the last ones copied from the prompt rather than proposed by the
+    # proposer's model (DraftProposer.copy): they cost nothing, so they teach no cost per token.
+    copied: int = 0
     gaps: np.ndarray = field(default_factory=lambda: NO_GAPS, compare=False)  # [proposed] as Preview.gaps
 
 

@@ -33,6 +33,9 @@ from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
 MATCH_CAP = 32
+# A draft model's guesses whose last this many tokens copy the prompt go on as the prompt does
+# (NgramProposer.copy): an edit's draft, past the change it was asked for, is a copy again.
+COPY_MATCH = 8
 
 
 @dataclass(frozen=True)
@@ -79,15 +82,17 @@ class NgramIndex:
             if end - n >= 0:
                 table[tuple(toks[end - n : end])] = end - n
 
-    def lookup(self, k: int) -> Match:
-        """The continuation [<= k] of the longest suffix (n_min..n_max tokens) seen before."""
+    def lookup(self, k: int, after: Sequence[int] = ()) -> Match:
+        """The continuation [<= k] of the longest suffix (n_min..n_max tokens) seen before; with
+        `after`, of the indexed tokens followed by those, which are not indexed (a draft's guesses)."""
         toks = self.tokens
-        end = len(toks)
+        tail = toks[-MATCH_CAP:] + list(after)  # the end of the context: all that a match compares
+        end = len(toks) + len(after)
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
-            start = self._tables[n].get(tuple(toks[end - n :]))
+            start = self._tables[n].get(tuple(tail[-n:]))
             if start is not None:
                 at = start + n  # n tokens match; then compare further back, as far as MATCH_CAP
-                return Match(toks[at : at + k], matched_back(toks, at, toks, MATCH_CAP, start=n), at)
+                return Match(toks[at : at + k], matched_back(toks, at, tail, MATCH_CAP, start=n), at)
         return NO_MATCH
 
 
@@ -131,6 +136,15 @@ class NgramProposer:
             if recall.tokens and (recall.same_question or recall.length > m.length):
                 return Match(recall.tokens, recall.length, from_memory=True, repeat=recall.same_question, gaps=recall.gaps)
         return m
+
+    def copy(self, context: Sequence[int], drafted: Sequence[int], k: int) -> list[int]:
+        """What follows `drafted` (a draft model's guesses after `context`) where their end copies
+        the prompt at least COPY_MATCH tokens back: the prompt's next [<= k] tokens, at no cost.
+        [] where it does not (DraftProposer.copy)."""
+        if self.index.sync(context):
+            self._prompt(context)
+        m = self.index.lookup(k, drafted)
+        return m.tokens if m.at < self.prompt_len and m.length >= COPY_MATCH else []
 
     def evidence(self, m: Match) -> Evidence:
         """Acceptance is learned per match: its length bucket (a match shorter than n_min
