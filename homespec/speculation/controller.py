@@ -109,13 +109,6 @@ UNSEEN_CATCHUP_S = 1.0
 # ~100-300.
 PLAN_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PLAN_LENGTHS = (2, 3, 5, 9, 17)
-# A new request's prospects with a proposer whose prefill costs (begin) are judged from earlier
-# requests, each counted once: its per-position acceptance, an EWMA over requests of this weight.
-# The step-level estimate follows the last steps, which are the last request's: four requests at
-# once on the 2-core Xeon (code, edit, chat, code) ended with the chat answer drafting alone, left
-# the draft's first position at 0.41 (code ~0.75), and no draft model read the next round's prompts
-# (30.8 tok/s against 34-37); nor, in the bench, an edit's after three chat answers.
-OPENING_EWMA = 0.1
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -209,8 +202,6 @@ class RequestState:
     # a draft model's KV sequence, a prompt-lookup index); None: the registry's.
     proposers: Mapping[str, Proposer] | None = None
     alongside: int = 0  # rows other requests bring to the pass being decided (batch.py)
-    # key -> [2, k_max] this request's accepted and tested drafts per position (end: `opening`)
-    seen: dict[AcceptanceKey, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -270,9 +261,6 @@ class Controller:
         self.shared = CostModel(SHARED_ROWS * (k_max + 1), cfg.cost_ewma)
         # Some keys' drafts fail at any depth alike: one rate over their positions too (_pooled).
         self.acc = AcceptanceModel(k_max, cfg.acceptance_ewma, self._prior, pooled=_pooled)
-        # The same per request (each request's own rates, once, at its end): what begin() judges
-        # a new request's prospects by (OPENING_EWMA).
-        self.opening = AcceptanceModel(k_max, OPENING_EWMA, self._prior, pooled=_pooled)
         # The same question's greedy draft, by where its remembered answer had near-ties (_rates).
         self.ties = NearTieModel()
         self.proposers: dict[str, Proposer] = {}  # name -> proposer; use add/remove_proposer
@@ -388,7 +376,6 @@ class Controller:
         a 2-core Xeon, four requests at once (code, edit, chat, code) got 30.0 and 29.9 tok/s
         so, 36.2 and 33.6 priced alone."""
         self.req.earned = {}
-        self.req.seen = {}
         self.req.prompt_len = len(prompt)
         self.req.sampled = sampled
         self.req.alongside = 0
@@ -398,8 +385,7 @@ class Controller:
             if p.free_prefill:
                 out.append(p)
                 continue
-            key = self._key(name)
-            best = self._best(name, self.k_max, key, self.opening.rates(key) if self.opening.observations(key) else None)
+            best = self._best(name, self.k_max, self._key(name))
             if best.rate < self._bar(plain):
                 continue
             # Reading the prompt stalls this request and each beside it (~1 row apiece) once: a
@@ -415,14 +401,9 @@ class Controller:
 
     def end(self, context: Sequence[int], gaps: Sequence[float] = ()) -> None:
         """The request ended with `context` (and its answer's argmax gaps): its proposers keep
-        what helps later requests, and its acceptance counts once towards the next ones'
-        prospects (`opening`)."""
+        what helps later requests."""
         for p in self._usable().values():
             p.end(context, gaps)
-        for key, (accepted, tested) in self.req.seen.items():
-            n = int(np.count_nonzero(tested))  # positions it tested (each only past an accepted one)
-            self.opening.observe(key, accepted[:n] / tested[:n])
-        self.req.seen = {}
 
     def decide(self, context: Sequence[int], alongside: int = 0) -> Decision:
         self.step_no += 1
@@ -589,10 +570,6 @@ class Controller:
                 self.cost.observe_propose(step.proposer, step.proposed - step.info.copied, max(0.0, step.draft_s - catchup))
             key = self._key(step.proposer, step.info.evidence)
             self.acc.observe(key, step.outcomes, PROBE_EWMA if probing else None)
-            seen = self.req.seen.setdefault(key, np.zeros((2, self.k_max)))
-            tested = min(len(step.outcomes), self.k_max)
-            seen[0, :tested] += step.outcomes[:tested]
-            seen[1, :tested] += 1
             if key.greedy_repeat and len(step.info.gaps):
                 self.ties.observe(step.info.gaps, step.outcomes)
             self.req.earned[step.proposer] = max(self.req.earned.get(step.proposer, 0), step.accepted)

@@ -178,8 +178,7 @@ class AcceptanceModel:
     def observations(self, key: Key) -> int:
         return int(self._n[key][0]) if key in self._n else 0
 
-    def observe(self, key: Key, outcomes: Sequence[bool] | np.ndarray, alpha: float | None = None) -> None:
-        """outcomes: [tested] each position's outcome (accepted or not), or its rate over several."""
+    def observe(self, key: Key, outcomes: Sequence[bool], alpha: float | None = None) -> None:
         mean, n = self._arrays(key)
         self._rates.pop(key, None)
         alpha = alpha or self.alpha

@@ -210,28 +210,6 @@ def test_a_draft_reads_the_prompt_only_when_the_tokens_left_can_pay_its_prefill_
     assert c.begin(long_prompt, tokens_left=16) == [draft]
 
 
-def test_a_new_request_is_judged_by_earlier_requests_each_once_not_by_the_last_ones_steps():
-    """Four answers the draft served well (0.9), then one it did not (0.2): drafting stops within
-    that answer, where the step-level estimate says it no longer pays. Whether the next request's
-    draft reads its prompt is judged by the five answers, each once (the bench: three chat
-    answers in a row left no draft for the edits after them)."""
-    m = Machine(xeon_cost, {"draft": 0.9}, draft_s=0.014, ngram_cont=0)
-    c = m.controller(proposers=("draft",))
-    draft = c.proposers["draft"]
-    for i, acceptance in enumerate((0.9, 0.9, 0.9, 0.9, 0.2)):
-        assert c.begin([0] * 10) == ([draft] if i else [])  # (at the prior, first: probed once seen)
-        m.acceptance["draft"] = acceptance
-        m.run(c, 60)
-        c.end(m.ctx)
-    assert m.run(c, 1)[0].proposer == OFF  # where the last answer left the step-level estimate
-    assert c.begin([0] * 10) == [draft]
-    for _ in range(20):  # answers it no longer serves: the opening estimate follows them
-        c.begin([0] * 10)
-        m.run(c, 60)
-        c.end(m.ctx)
-    assert c.begin([0] * 10) == []
-
-
 def test_a_long_ngram_match_is_tried_on_first_sight():
     m = Machine(cpu_cost, {"ngram": 1.0}, ngram_cont=16)  # peek reports match length 5
     c = m.controller(proposers=("ngram",))
