@@ -129,10 +129,11 @@ def build_proposers(cfg: Config, models: ModelSet, slot: int = 0, memory: NgramM
 def draft_proposer(models: ModelSet, slot: int = 0, lookup: NgramProposer | None = None) -> DraftProposer:
     """The draft model's proposer for a request in `slot`: its own sequence of the draft's
     context, whose passes a batch runs beside the other slots' (Runtime.eval_many); its
-    guesses go on as the prompt does where they copy it, and say whether its answer copies the
-    prompt (`lookup`: the same request's prompt lookup, DraftProposer.lookup)."""
+    guesses go on as the prompt does where they copy it (`lookup`: the same request's prompt
+    lookup, DraftProposer.copy)."""
     assert models.draft is not None
-    return DraftProposer(models.draft.slot(slot), models.target.n_vocab, together=models.draft.eval_many, lookup=lookup)
+    return DraftProposer(models.draft.slot(slot), models.target.n_vocab, together=models.draft.eval_many,
+                         copy=lookup.copy if lookup is not None else None)
 
 
 # prompt lookup's memory of answers, beside the saved histories (prefix_store.save_arrays)

@@ -20,7 +20,7 @@ def test_unloading_the_draft_keeps_serving_and_reloading_restores_it():
     with Host.open(cfg, calibrate=False) as s:
         prompt = s.models.encode_chat([{"role": "user", "content": "Count from 1 to 5."}])
         lookup = s.controller.proposers["ngram"]
-        assert s.controller.proposers["draft"].lookup is lookup  # its guesses go on as the prompt does
+        assert s.controller.proposers["draft"].copy == lookup.copy  # its guesses go on as the prompt does
         s.unload_draft()
         assert s.models.draft is None and "draft" not in s.controller.proposers
         with pytest.raises(UnknownMode):
@@ -28,7 +28,7 @@ def test_unloading_the_draft_keeps_serving_and_reloading_restores_it():
         plain = "".join(ev.text for ev in s.generate(prompt, GenerationRequest(max_tokens=6, mode="off")))
         s.reload_draft()
         assert s.models.draft is not None and "draft" in s.controller.proposers
-        assert s.controller.proposers["draft"].lookup is lookup
+        assert s.controller.proposers["draft"].copy == lookup.copy
         gen = s.generate(prompt, GenerationRequest(max_tokens=6, mode="draft", k=2))
         text = "".join(ev.text for ev in gen)
         assert gen.stats.proposed > 0 and text == plain

@@ -82,7 +82,7 @@ def test_an_edit_draft_goes_on_as_the_prompt_and_says_what_plain_decoding_says(t
     rec.rows.clear()
     lookup = NgramProposer(2, 12)
     lookup.begin(prompt)
-    policy = FixedPolicy(DraftProposer(draft_rt, target_rt.n_vocab, lookup=lookup), 16)
+    policy = FixedPolicy(DraftProposer(draft_rt, target_rt.n_vocab, copy=lookup.copy), 16)
     engine.target.reset()
     events = list(engine.generate(prompt, max_tokens=MAX_TOKENS, policy=policy))
     spec = [t for ev in events for t in ev.tokens]

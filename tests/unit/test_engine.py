@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats, PromptTooLong
-from homespec.speculation.proposers.base import Evidence
 from homespec.speculation.proposers.draft import DraftProposer
-from homespec.speculation.proposers.ngram import COPYING_RUN, MATCH_CAP, NgramProposer
+from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams
 
 from .fakes import FakeRuntime
@@ -176,7 +175,7 @@ def _copying_rig(copy: bool):
     eng = make_engine(draft_seed=0)  # a draft that guesses as the target
     ngram = NgramProposer(2, 5)
     ngram.begin(prompt)
-    eng.proposers["draft"].lookup = ngram if copy else None
+    eng.proposers["draft"].copy = ngram.copy if copy else None
     return eng, prompt, ref
 
 
@@ -192,37 +191,14 @@ def test_draft_guesses_that_copy_the_prompt_go_on_as_it_without_draft_passes():
     assert passes <= passes_alone - copied // 2  # each copied token saved its draft pass, or nearly
 
 
-class ScriptedLookup:
-    """Prompt lookup as a draft asks it: copies 5s after two guesses; has copied `run` tokens."""
-
-    def __init__(self, run: int = 0) -> None:
-        self.run = run
-
-    def copy(self, context, drafted, k):
-        return [5] * k if len(drafted) >= 2 else []
-
-    def copying(self, context):
-        return self.run
-
-
 def test_a_draft_copies_the_prompt_only_for_greedy_requests():
     prompt = [*PROMPT, 1, 2, 3, 4]
-    draft = DraftProposer(FakeRuntime(seed=0), 64, lookup=ScriptedLookup())
+    draft = DraftProposer(FakeRuntime(seed=0), 64, copy=lambda context, drafted, k: [5] * k if len(drafted) >= 2 else [])
     draft.begin(prompt)
     greedy = draft.propose(prompt, 6, SamplingParams(), np.random.default_rng(0))
     assert greedy.tokens[2:] == [5] * 4 and greedy.info.copied == 4 and greedy.q is None
     sampled = draft.propose(prompt, 6, SamplingParams(temperature=0.8, seed=1), np.random.default_rng(0))
     assert len(sampled.tokens) == 6 and sampled.info.copied == 0 and sampled.q.shape == (6, 64)
-
-
-def test_a_drafts_acceptance_is_learned_apart_in_an_answer_that_copies_its_prompt():
-    prompt = [*PROMPT, 1, 2, 3, 4]
-    for run, evidence in ((0, Evidence()), (COPYING_RUN - 1, Evidence()), (COPYING_RUN, Evidence(16, from_prompt=True)),
-                          (MATCH_CAP, Evidence(32, from_prompt=True))):
-        draft = DraftProposer(FakeRuntime(seed=0), 64, lookup=ScriptedLookup(run))
-        draft.begin(prompt)
-        assert draft.preview(prompt, 4).evidence == evidence
-        assert draft.propose(prompt, 4, SamplingParams(), np.random.default_rng(0)).info.evidence == evidence
 
 
 def test_the_first_token_is_out_before_the_draft_reads_the_prompt():

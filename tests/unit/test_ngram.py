@@ -119,16 +119,3 @@ def test_copy_takes_nothing_from_the_answer_only_from_the_prompt():
     answer = list(range(200, 220))
     context = [1, 2, 3, *answer, 7]  # the answer says again what it said before
     assert prop.copy(context, answer[:COPY_MATCH], 5) == []
-
-
-def test_copying_says_how_far_the_answer_has_copied_its_prompt_at_a_stretch():
-    prop = NgramProposer(2, 5)
-    prop.begin(EDIT_PROMPT)
-    assert prop.copying([*EDIT_PROMPT, 99]) == 0  # the change: no copy yet
-    assert prop.copying([*EDIT_PROMPT, 99, *FILE[1:20]]) == 19
-    assert prop.copying([*EDIT_PROMPT, 99, *FILE[1:20], 98, 97]) == 19  # the longest stretch, kept
-    prop.begin(EDIT_PROMPT)  # a new request
-    assert prop.copying([*EDIT_PROMPT, 98, 97, 96]) == 0
-    quoting = [*EDIT_PROMPT, *FILE[:20]]  # a prompt that repeats its file's start itself
-    prop.begin(quoting)
-    assert prop.copying([*quoting, FILE[20]]) == 1  # a 21-token match, of which the answer made one

@@ -20,28 +20,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Generator, Hashable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from homespec.speculation.engine import Pass
-from homespec.speculation.proposers.base import IN_STEP_LAG, Evidence, Preview, Proposal, ProposalInfo, ProposerCost
-from homespec.speculation.proposers.ngram import COPYING_RUN, match_bucket
+from homespec.speculation.proposers.base import IN_STEP_LAG, Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams, draw, penalize, probabilities, window
 from homespec.speculation.target import Target
 from homespec.tokens import common_prefix
-
-
-class PromptLookup(Protocol):
-    """What a draft model asks of its request's prompt lookup (NgramProposer)."""
-
-    def copy(self, context: Sequence[int], drafted: Sequence[int], k: int) -> list[int]:
-        """The prompt's next [<= k] tokens where the guesses after context copy it, else []."""
-        ...
-
-    def copying(self, context: Sequence[int]) -> int:
-        """How far the request's answer has copied its prompt at a stretch (tokens)."""
-        ...
 
 
 class DraftProposer:
@@ -50,20 +37,19 @@ class DraftProposer:
 
     def __init__(self, runtime: Target, target_vocab: int,
                  together: Callable[[Sequence[Any]], list[np.ndarray]] | None = None,
-                 lookup: PromptLookup | None = None) -> None:
+                 copy: Callable[[Sequence[int], Sequence[int], int], list[int]] | None = None) -> None:
         self.rt = runtime
         # Tokenizers may differ by padding rows (gguf_info allows <= 128): pad q to the target's.
         self.target_vocab = target_vocab
         # Runs passes of several slots of the draft's context as one (Runtime.eval_many): a batch
         # driver drafts for all requests in one pass per token. None: its passes run alone.
         self.together = together
-        # The same request's prompt lookup. An edit's draft model reads the request and makes the
-        # change that prompt lookup cannot guess, then copies the file on, a pass per token (the
-        # 0.5B on 2 cores: a 49-token draft 0.49 s): past the change, the rest of a greedy draft
-        # is the prompt's, at no cost (lookup.copy). And it is kept far more often in an answer
-        # that copies its prompt than elsewhere, so its proposals say so (evidence: its
-        # acceptance is learned apart). None: the model drafts every token, under one evidence.
-        self.lookup = lookup
+        # copy(context, drafted, k): what the prompt goes on with where the guesses so far copy it
+        # (prompt lookup, NgramProposer.copy), or []. An edit's draft model reads the request
+        # and makes the change that prompt lookup cannot guess, then copies the file on, a pass per
+        # token (the 0.5B on 2 cores: a 49-token draft 0.49 s): past the change, the rest of a
+        # greedy draft is the prompt's, at no cost. None: the model drafts every token.
+        self.copy = copy
 
     def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         # Prefill all but the last token without logits; the first proposal evaluates the rest.
@@ -72,14 +58,7 @@ class DraftProposer:
         self.rt.eval(prompt[keep : len(prompt) - 1], output="none")
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
-        return Preview(max(0, min(k, self.rt.n_ctx - len(context))), self.evidence(context))
-
-    def evidence(self, context: Sequence[int]) -> Evidence:
-        """In an answer that has copied its prompt COPYING_RUN tokens at a stretch (an edit), its
-        guesses are kept ~all the time (the bench's edits: 0.99-1.00 for llama-server's draft),
-        and elsewhere 0.5-0.8 (chat, code): learned apart, by the copy's length."""
-        run = self.lookup.copying(context) if self.lookup is not None else 0
-        return Evidence(match_bucket(run), from_prompt=True) if run >= COPYING_RUN else Evidence()
+        return Preview(max(0, min(k, self.rt.n_ctx - len(context))))
 
     def lag(self, context: Sequence[int]) -> int:
         """Tokens of `context` this draft has not read yet (the cost of using it now)."""
@@ -108,7 +87,6 @@ class DraftProposer:
         k = min(k, self.rt.n_ctx - len(context))  # room in the draft's own cache
         if k <= 0:
             return Proposal([], None, 0.0)
-        evidence = self.evidence(context)  # (before the guesses: as preview saw the context)
         behind = len(context) - len(self.rt.tokens)  # tokens to catch up on (1-2 after a step)
         keep = min(common_prefix(self.rt.tokens, context), len(context) - 1)  # as Target.sync
         self.rt.truncate(keep)
@@ -118,7 +96,7 @@ class DraftProposer:
         # cost per token: report it apart so the controller's cost model stays clean.
         catchup_s = time.perf_counter() - t0 if behind > IN_STEP_LAG else 0.0
         tokens: list[int] = []
-        copied: list[int] = []  # the prompt's tokens after the model's guesses (lookup.copy)
+        copied: list[int] = []  # the prompt's tokens after the model's guesses (self.copy)
         qs: list[np.ndarray] = []  # each [vocab]
         recent = list(window(context, params))
         for i in range(k):
@@ -130,7 +108,7 @@ class DraftProposer:
                 tok = draw(q, params, rng, len(context) + i)
                 qs.append(q)
             tokens.append(tok)
-            copied = self.lookup.copy(context, tokens, k - len(tokens)) if self.lookup and params.greedy and i + 1 < k else []
+            copied = self.copy(context, tokens, k - len(tokens)) if self.copy and params.greedy and i + 1 < k else []
             if copied:  # (a point mass each, as the model's own guesses under greedy decoding)
                 tokens += copied
                 break
@@ -139,7 +117,7 @@ class DraftProposer:
                 logits = (yield passes[-1])[0]
         q_arr = np.stack(qs) if qs else None  # [k, vocab]
         shared = any(p.rows > len(p.tokens) for p in passes)  # the driver ran it beside others' (Pass.rows)
-        info = ProposalInfo(evidence, catchup_s=catchup_s, catchup_tokens=max(behind, 0) if catchup_s else 0, shared=shared,
+        info = ProposalInfo(catchup_s=catchup_s, catchup_tokens=max(behind, 0) if catchup_s else 0, shared=shared,
                             copied=len(copied))
         return Proposal(tokens, q_arr, time.perf_counter() - t0, info)
 

@@ -36,9 +36,6 @@ MATCH_CAP = 32
 # A draft model's guesses whose last this many tokens copy the prompt go on as the prompt does
 # (NgramProposer.copy): an edit's draft, past the change it was asked for, is a copy again.
 COPY_MATCH = 8
-# An answer that has copied its prompt this many tokens at a stretch copies it (an edit returning
-# its file, a quote): a draft model's acceptance is learned apart there (NgramProposer.copying).
-COPYING_RUN = 16
 
 
 @dataclass(frozen=True)
@@ -118,7 +115,6 @@ class NgramProposer:
         self.prompt_len = 0  # tokens of the current request's prompt: a match before it copies the prompt
         self.memory = memory  # earlier requests' answers (shared by every slot); None: this request only
         self.question: int | None = None  # question_key of the prompt and shaping, for the memory (None: no memory)
-        self.copy_run = 0  # tokens: the longest stretch of this request's answer seen copying its prompt
 
     def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         self.index.sync(prompt)
@@ -127,7 +123,6 @@ class NgramProposer:
     def _prompt(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         self.prompt_len = len(prompt)
         self.question = question_key(prompt, shaping) if self.memory is not None else None
-        self.copy_run = 0
 
     def match(self, context: Sequence[int], k: int) -> Match:
         """The proposal and how it matched, without timing."""
@@ -135,8 +130,6 @@ class NgramProposer:
             self._prompt(context)
         m = self.index.lookup(k)
         m = replace(m, from_prompt=m.at < self.prompt_len) if m.tokens else m
-        if m.from_prompt:  # (of the answer only: a suffix reaching into the prompt is no copy it made)
-            self.copy_run = max(self.copy_run, min(m.length, len(context) - self.prompt_len))
         if self.memory is not None:
             recall = self.memory.lookup(context, k, MATCH_CAP, self.question, len(context) - self.prompt_len)
             # the same question's answer beats anything; a longer match beats a phrase of its own that recurs
@@ -152,13 +145,6 @@ class NgramProposer:
             self._prompt(context)
         m = self.index.lookup(k, drafted)
         return m.tokens if m.at < self.prompt_len and m.length >= COPY_MATCH else []
-
-    def copying(self, context: Sequence[int]) -> int:
-        """How far this request's answer has copied its prompt at a stretch, so far (tokens, at
-        most MATCH_CAP): an edit's copies whole lines of its file; prose and new code rarely a few
-        tokens (DraftProposer's evidence)."""
-        self.match(context, 1)
-        return self.copy_run
 
     def evidence(self, m: Match) -> Evidence:
         """Acceptance is learned per match: its length bucket (a match shorter than n_min
@@ -191,4 +177,4 @@ class NgramProposer:
 
     def close(self) -> None:
         self.index = NgramIndex(self.index.n_min, self.index.n_max)
-        self.prompt_len, self.question, self.copy_run = 0, None, 0
+        self.prompt_len, self.question = 0, None
