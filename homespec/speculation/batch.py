@@ -1,7 +1,7 @@
 """Several generations decoded together: each round packs every running generation's next target
 pass (its last token plus its draft, or a chunk of its prompt) into one llama_decode.
 
-The engine yields its passes (engine.Pass) instead of running them; this driver collects one from
+The engine yields its passes (target.Pass) instead of running them; this driver collects one from
 each generation, runs them as one batch through `eval_many` (llama/runtime.py: per-sequence ids
 and positions in one llama_decode), and sends each generation its own rows. Verification,
 sampling and stop conditions stay inside each generation, so exactness is per request, as alone.
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from homespec.speculation.engine import Ask, Beside, Decision, Event, Pass, Steps
-from homespec.speculation.target import Output, Target
+from homespec.speculation.engine import Ask, Beside, Decision, Event, Steps
+from homespec.speculation.target import Output, Pass, Target
 
 # (target, tokens, output) per part -> logits per part; Runtime.eval_many.
 EvalMany = Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]]
@@ -189,24 +189,24 @@ class Batch:
         at once, rather than one pass per request and token), until every generation has its
         target pass again."""
         while True:
-            drafting = [r for r in self._running.values() if r.pending is not None and r.pending.draft]
-            if not drafting:
+            groups: dict[object, list[tuple[_Running, Pass]]] = {}
+            for r in self._running.values():
+                if r.pending is not None and r.pending.draft:
+                    groups.setdefault(r.pending.together or id(r), []).append((r, r.pending))
+            if not groups:
                 return
-            groups: dict[object, list[_Running]] = {}
-            for r in drafting:
-                groups.setdefault(r.pending.together or id(r), []).append(r)  # type: ignore[union-attr]
             for group in groups.values():
-                passes = [r.pending for r in group]
-                together = passes[0].together  # type: ignore[union-attr]
-                if len(group) == 1 or together is None:
-                    outs = [p.run() for p in passes]  # type: ignore[union-attr]
+                passes = [p for _, p in group]
+                together = passes[0].together
+                if len(passes) == 1 or together is None:
+                    outs = [p.run() for p in passes]
                 else:
                     t0 = time.perf_counter()
-                    outs = together([(p.target, p.tokens, p.output) for p in passes])  # type: ignore[union-attr]
-                    seconds, rows = time.perf_counter() - t0, sum(len(p.tokens) for p in passes)  # type: ignore[union-attr]
+                    outs = together([(p.target, p.tokens, p.output) for p in passes])
+                    seconds, rows = time.perf_counter() - t0, sum(len(p.tokens) for p in passes)
                     for p in passes:
-                        p.rows, p.seconds = rows, seconds  # type: ignore[union-attr]
-                for r, logits in zip(group, outs):
+                        p.rows, p.seconds = rows, seconds
+                for (r, _), logits in zip(group, outs):
                     r.pending = None
                     self._advance(r, logits, deliver)
 

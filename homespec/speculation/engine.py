@@ -37,7 +37,7 @@ is reproducible. The price is acceptance: a draft raced against the same keys is
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
+from collections.abc import Generator, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Protocol
 
@@ -56,7 +56,7 @@ from homespec.speculation.sampling import (
     token_logprobs,
     window,
 )
-from homespec.speculation.target import Output, Target
+from homespec.speculation.target import Pass, Target
 from homespec.speculation.textstream import TextStream
 from homespec.speculation.verify import Verdict, greedy_verify, rejection_verify, seeded_verify
 from homespec.tokens import common_prefix
@@ -262,32 +262,6 @@ class Event:
     # text held back for a possible stop string brings its tokens' logprobs when it is shown,
     # and a stop string's own tokens and EOS are never shown).
     logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
-class Pass:
-    """A target pass a generation needs: append `tokens` to `target`'s cache, reply with the
-    logits (Target.eval). The engine yields it rather than running it, so that a batch driver
-    (batch.py) can pack the passes of several generations into one llama_decode."""
-
-    target: Target
-    tokens: list[int]
-    output: Output
-    rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
-    seconds: float = 0.0  # set by the driver: how long that decode took
-    timed: bool = True  # set by the driver: False when that decode also read prompt chunks
-    # A proposer's pass (a draft model's), not the target's: a driver runs it before the target
-    # pass, beside the passes of other requests' proposers that name the same `together`
-    # (Runtime.eval_many of the draft's context; None: alone).
-    draft: bool = False
-    together: Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]] | None = None
-    verify_rows: int = 0  # a proposer's pass: the rows of the verify pass it drafts for, at most
-
-    def run(self) -> np.ndarray:
-        t0 = time.perf_counter()
-        logits = self.target.eval(self.tokens, self.output)
-        self.rows, self.seconds = len(self.tokens), time.perf_counter() - t0
-        return logits
 
 
 Steps = Generator["Event | Pass | Ask", "np.ndarray | Beside | Decision | None", None]  # the engine's coroutine

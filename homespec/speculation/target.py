@@ -1,4 +1,5 @@
-"""What the engine and the proposers need of a model: the `Target` protocol.
+"""What the engine and the proposers need of a model: the `Target` protocol, and the `Pass`
+over it that they yield for a driver to run.
 
 llama/runtime.py's `Runtime` implements it (so does the scripted fake in the unit tests); the
 speculation core never imports it. A draft model is reached through the same protocol: it is a
@@ -8,7 +9,9 @@ target-shaped model that only proposes. The MTP head also reads the target's hid
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -63,3 +66,29 @@ class HiddenStates(Target, Protocol):
     def hidden_rows(self, start: int, stop: int) -> np.ndarray:
         """Hidden states of positions [start, stop): [stop - start, n_embd] float32."""
         ...
+
+
+@dataclass
+class Pass:
+    """A target pass a generation needs: append `tokens` to `target`'s cache, reply with the
+    logits (Target.eval). The engine yields it rather than running it, so that a batch driver
+    (batch.py) can pack the passes of several generations into one llama_decode."""
+
+    target: Target
+    tokens: list[int]
+    output: Output
+    rows: int = 0  # set by the driver: rows of the llama_decode that ran it (others' included)
+    seconds: float = 0.0  # set by the driver: how long that decode took
+    timed: bool = True  # set by the driver: False when that decode also read prompt chunks
+    # A proposer's pass (a draft model's), not the target's: a driver runs it before the target
+    # pass, beside the passes of other requests' proposers that name the same `together`
+    # (Runtime.eval_many of the draft's context; None: alone).
+    draft: bool = False
+    together: Callable[[Sequence[tuple[Target, Sequence[int], Output]]], list[np.ndarray]] | None = None
+    verify_rows: int = 0  # a proposer's pass: the rows of the verify pass it drafts for, at most
+
+    def run(self) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = self.target.eval(self.tokens, self.output)
+        self.rows, self.seconds = len(self.tokens), time.perf_counter() - t0
+        return logits

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from homespec.speculation.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from homespec.speculation.engine import Pass
+from homespec.speculation.target import Pass
 
 
 @dataclass(frozen=True)
@@ -152,5 +150,5 @@ class SteppedProposer(Proposer, Protocol):
     def propose_steps(
         self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator
     ) -> Generator[Pass, np.ndarray, Proposal]:
-        """`propose`, yielding each pass of its model (engine.Pass, draft=True) for the logits."""
+        """`propose`, yielding each pass of its model (target.Pass, draft=True) for the logits."""
         ...

@@ -24,10 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from homespec.speculation.engine import Pass
 from homespec.speculation.proposers.base import IN_STEP_LAG, Preview, Proposal, ProposalInfo, ProposerCost
 from homespec.speculation.sampling import SamplingParams, draw, penalize, probabilities, window
-from homespec.speculation.target import Target
+from homespec.speculation.target import Pass, Target
 from homespec.tokens import common_prefix
 
 
