@@ -186,6 +186,24 @@ def test_a_draft_never_seen_is_probed_at_its_first_chance_and_then_kept_where_it
     assert sum(s.proposer == "draft" for s in steps) >= 30
 
 
+def test_prompt_lookup_already_seen_is_not_probed_at_first_sight_of_each_new_match_length():
+    # Its dozen kinds of evidence each start at a prior that says whether they pay; a first-sight
+    # probe of every new one is a loss the prior foresaw (on a steep curve, a few passes each).
+    def steep(n: int) -> float:  # a row costs 0.7 of a pass: a 1-token draft pays at 0.9, not at 0.67
+        return 0.033 * (1 + 0.7 * (n - 1))
+
+    m = Machine(steep, {})
+    c = m.controller(proposers=("ngram",))
+    seen = Match([1] * 16, 2, from_prompt=True)
+    c.proposers["ngram"].peek = lambda ctx, k: seen
+    first = c.decide(m.ctx)
+    assert first.name == "ngram"  # prompt lookup never observed: probed at once
+    c.observe(StepStats("ngram", first.k, first.k, 0, 0.0, steep(first.k + 1), (False,),
+                        ProposalInfo(c.proposers["ngram"].evidence(seen))))
+    c.proposers["ngram"].peek = lambda ctx, k: Match([1] * 16, 3)  # a new key: a 3-token repeat of the answer
+    assert c.decide(m.ctx).name == OFF  # its prior (0.67) does not pay, and the budget is empty
+
+
 def test_a_draft_never_seen_waits_for_the_budget_when_catching_up_is_long():
     m = Machine(xeon_cost, {"draft": 0.9}, draft_s=0.014, ngram_cont=0)
     c = m.controller(proposers=("draft",))
