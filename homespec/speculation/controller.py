@@ -51,8 +51,8 @@ at its first chance, outside the budget, when catching it up costs under UNSEEN_
 acceptance is unknown rather than known to be low, and the budget, a share of the generation time
 so far, is empty in the first answers after a start (the Q4_0 draft, accepted ~0.8 on code,
 waited through most of the bench's first code answer). A new kind of evidence from a proposer
-already observed starts from its prior instead (_unseen). The rule uses no
-randomness: the same observations give the same decisions.
+already observed starts from its prior instead (_unseen). The rule uses no randomness: the same
+observations give the same decisions.
 
 How this differs from transformers' assisted generation (`num_assistant_tokens` +2 on full
 acceptance, -1 otherwise): that heuristic targets acceptance and ignores cost, so on a CPU it
