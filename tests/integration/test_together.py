@@ -45,12 +45,12 @@ def test_the_same_questions_asked_again_at_once_draft_their_answers_together() -
             passes.append([len(toks) for _, toks, _ in parts])
             return eval_many(parts)
 
-        reasons: list[str] = []
+        plans: list[list[int]] = []  # per pass planned: each request's k
         plan = host.controller.plan
 
         def noting(*args, **kwargs):
             d = plan(*args, **kwargs)
-            reasons.append(host.controller.view.reason)
+            plans.append([x.k for x in d])
             return d
 
         host.models.target.eval_many = recording  # type: ignore[method-assign]
@@ -75,5 +75,8 @@ def test_the_same_questions_asked_again_at_once_draft_their_answers_together() -
     drafted_together = [rows for rows in passes if sum(n > 1 for n in rows) >= len(QUESTIONS) - 1]
     assert drafted_together, f"no pass held the drafts of {len(QUESTIONS) - 1} requests or more: {passes}"
     assert all(sum(rows) <= bound for rows in drafted_together)
-    assert any("in a pass of 4" in r and not r.startswith("off") for r in reasons)
+    # ... and the plan chose it (not each request beside the others' rows): its decisions, not the
+    # view's reason, which names only the last request it recorded (plain, where that one left
+    # its remembered answer at a near-tie).
+    assert any(sum(k > 0 for k in ks) >= len(QUESTIONS) - 1 for ks in plans), plans
     assert all(s.completion_tokens == 64 or s.finish_reason == "stop" for s in together.values())
