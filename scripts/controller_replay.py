@@ -90,7 +90,7 @@ def evidence_tables(workloads: dict, controller, pass_s, k_max: int) -> None:
     def label(e) -> str:
         source = "prompt" if e.from_prompt else "memory" if e.from_memory else "answer"
         span = {8: "8-15", 16: f"16-{MATCH_CAP - 1}", MATCH_CAP: f"{MATCH_CAP}+"}.get(e.match, str(e.match))
-        return f"{source}, match {span}"
+        return f"{source}, match {span}" + (", resumes" if e.resumes else "")
 
     auto = controller(auto_ngram := NgramProposer(2, 12))
     for name, recs in workloads.items():
@@ -100,10 +100,10 @@ def evidence_tables(workloads: dict, controller, pass_s, k_max: int) -> None:
         plain_s = replay(recs, auto, auto_ngram, pass_s, mine).emitted * pass_s(1)
         rows = [by_evidence(x, pass_s) for x in (fixed, best, mine)]
         print(f"-- {name}: drafting steps by evidence; saved: modelled seconds against plain decoding ({plain_s:.1f} s)")
-        print(f"{'evidence':<20} {'k=4 proposals':>13} {'1st kept':>8} {'oracle steps':>12} {'saved s':>8} {'auto steps':>10} {'saved s':>8}")
+        print(f"{'evidence':<29} {'k=4 proposals':>13} {'1st kept':>8} {'oracle steps':>12} {'saved s':>8} {'auto steps':>10} {'saved s':>8}")
         for e in sorted(set().union(*rows), key=lambda e: (e.from_prompt, e.from_memory, e.match)):
             f, o, a = (r.get(e) for r in rows)
-            print(f"{label(e):<20} {f.steps if f else 0:>13} {f'{f.first_kept / f.steps:.0%}' if f else '-':>8}"
+            print(f"{label(e):<29} {f.steps if f else 0:>13} {f'{f.first_kept / f.steps:.0%}' if f else '-':>8}"
                   f" {o.steps if o else 0:>12} {o.saved_s if o else 0:>+8.2f} {a.steps if a else 0:>10} {a.saved_s if a else 0:>+8.2f}")
 
 

@@ -19,11 +19,13 @@ Everything on the right-hand side is measured on this machine, not assumed:
   excluded); a model proposer measures it at warm-up, prompt lookup costs microseconds.
 - a_i: per proposer, an EWMA of the outcome at each position, updated after every step, and
   keyed by the evidence a proposal offers (Proposer.preview). For prompt lookup that is the
-  match's length (a 5-token match predicts far better than a 2-token one) and whether it copies
+  match's length (a 5-token match predicts far better than a 2-token one), whether it copies
   the prompt or repeats the answer (an edit copying its input keeps ~13 of 16 tokens; prose
-  repeating a phrase of its own, ~4). The same question asked again is the exception: its draft
-  is the remembered greedy answer, broken only where batch noise flips a near-tie, so each of
-  its tokens is priced by its argmax gap in that answer (NearTieModel, `_rates`).
+  repeating a phrase of its own, ~4), and whether a short match into the prompt resumes the
+  answer's copy of it where that broke off (an edit after the lines it changed). The same
+  question asked again is the exception: its draft is the remembered greedy answer, broken only
+  where batch noise flips a near-tie, so each of its tokens is priced by its argmax gap in that
+  answer (NearTieModel, `_rates`).
 
 Earned length: within a request, a proposer may draft at most max(k0, EARNED_GROWTH x its
 longest accepted run in this request) tokens, k0 being the longest draft whose verification
@@ -124,6 +126,7 @@ class AcceptanceKey(NamedTuple):
     from_memory: bool = False  # the proposal copies an earlier request's answer
     repeat: bool = False  # ... the answer to the same prompt (kept in full far more often than a shared phrase)
     sampled: bool = False  # a temperature > 0 request
+    resumes: bool = False  # a short match into the prompt that resumes the answer's last copy of it
 
     @property
     def greedy_repeat(self) -> bool:
@@ -599,9 +602,11 @@ class Controller:
         """Acceptance is tracked per proposer and per the evidence it offers (prompt lookup:
         its match; a 32-token match into the prompt means the output is copying (an edit), a 2-token
         match is often a coincidence, and a long repeat of the answer's own words breaks off
-        sooner than a copy). Sampled requests are tracked apart: a token drawn at temperature 0.8
+        sooner than a copy; a short match into the prompt that resumes the answer's copy of it, an
+        edit going on after the lines it changed, runs on where the same match elsewhere is a
+        coincidence). Sampled requests are tracked apart: a token drawn at temperature 0.8
         is accepted less often than an argmax, and mixing the two would mislead both."""
-        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, evidence.from_memory, evidence.repeat, self.req.sampled)
+        return AcceptanceKey(proposer, evidence.match, evidence.from_prompt, evidence.from_memory, evidence.repeat, self.req.sampled, evidence.resumes)
 
     def _prior(self, key: AcceptanceKey) -> float:
         """Acceptance assumed before any observation. With evidence of strength m (prompt lookup:

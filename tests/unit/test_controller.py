@@ -257,6 +257,23 @@ def test_a_long_copy_of_the_prompt_and_a_long_repeat_of_the_answer_are_learned_a
     assert on_repeat.name == OFF
 
 
+def test_a_short_match_that_resumes_a_copy_is_learned_apart_from_the_same_match_by_coincidence():
+    # An edit's 2-token match just past where its copy broke off runs on for dozens of tokens;
+    # the same 2-token match into the prompt in a chat answer is kept for a token or two.
+    m = Machine(cpu_cost, {})
+    c = m.controller(proposers=("ngram",))
+    c.req.earned["ngram"] = K_MAX  # this request has copied long runs already: k is not capped
+    for _ in range(40):  # 8-token drafts under each: the resumptions kept whole, the others left at once
+        c.observe(StepStats("ngram", 8, 8, 8, 0.0, cpu_cost(9), (True,) * 8, ProposalInfo(Evidence(2, True, resumes=True))))
+        c.observe(StepStats("ngram", 8, 8, 0, 0.0, cpu_cost(9), (False,), ProposalInfo(Evidence(2, True))))
+    c.proposers["ngram"].peek = lambda ctx, k: Match([1] * 16, 2, from_prompt=True, resumes=True)
+    on_resumes = c.decide(m.ctx)
+    c.proposers["ngram"].peek = lambda ctx, k: Match([1] * 16, 2, from_prompt=True)
+    on_chance = c.decide(m.ctx)
+    assert on_resumes.name == "ngram" and on_resumes.k >= 8
+    assert on_chance.name == OFF
+
+
 def test_in_a_new_request_long_drafts_are_earned_by_accepted_runs_where_verification_is_costly():
     copy = Match([1] * 16, 32, from_prompt=True)  # the prior trusts a 32-token copy: ~0.97 a token
     m = Machine(cpu_cost, {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from homespec.speculation.proposers.ngram import COPY_MATCH, MATCH_CAP, NgramIndex, NgramProposer
+from homespec.speculation.proposers.ngram import COPY_MATCH, MATCH_CAP, RESUME_WINDOW, NgramIndex, NgramProposer
 from homespec.speculation.sampling import SamplingParams
 
 
@@ -81,6 +81,27 @@ def test_a_match_says_whether_it_copies_the_prompt_or_repeats_the_answer():
     repeat = prop.match(ctx, 2)
     assert repeat.tokens == [6, 8] and not repeat.from_prompt
     assert prop.propose(ctx, 2, SamplingParams(), np.random.default_rng(0)).info.evidence.from_prompt is False
+
+
+def test_a_short_match_just_past_where_the_answers_copy_of_the_prompt_broke_off_resumes_it():
+    prompt = list(range(100, 100 + RESUME_WINDOW + 40))  # distinct tokens: every match is where it says
+    prop = NgramProposer(2, 12)
+    prop.begin(prompt)
+    copied = [*prompt, *prompt[:12]]  # the answer copies the prompt's first 12 tokens (an edit)
+    assert prop.match(copied, 4).length >= 8  # a copy under way
+    changed = [*copied, 1, 2, 3]  # it breaks off at prompt[12]: the lines the edit changes
+    resumed = prop.match([*changed, *prompt[15:17]], 4)  # ... and goes on from prompt[15]
+    assert resumed.tokens == prompt[17:21] and resumed.length == 2 and resumed.from_prompt and resumed.resumes
+    ev = prop.propose([*changed, *prompt[15:17]], 4, SamplingParams(), np.random.default_rng(0)).info.evidence
+    assert ev.resumes and ev.match == 2
+    # a short match behind the break, or further on than RESUME_WINDOW, is no resumption
+    assert not prop.match([*changed, *prompt[3:5]], 4).resumes
+    far = 12 + RESUME_WINDOW + 5
+    assert not prop.match([*changed, *prompt[far : far + 2]], 4).resumes
+    # nor in an answer that has not been copying: the same 2 tokens in a new request
+    prop.begin(prompt)
+    fresh = prop.match([*prompt, 1, 2, 3, *prompt[15:17]], 4)
+    assert fresh.tokens == prompt[17:21] and fresh.from_prompt and not fresh.resumes
 
 
 def test_a_new_request_without_begin_takes_its_context_as_the_prompt():

@@ -35,6 +35,9 @@ class Evidence:
     # ... the answer to this very prompt, and this answer has so far said what that one did: the
     # same question again. A greedy answer to it is the same text up to a near-tie.
     repeat: bool = False
+    # A short match into the prompt just past where this answer's last long copy of it broke off:
+    # an edit's copy going on after the lines it changed, kept far longer than a coincidence.
+    resumes: bool = False
 
 
 NO_GAPS = np.empty(0, np.float32)  # argmax gaps not known
