@@ -9,7 +9,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from homespec.llama.runtime import Runtime, RuntimeOptions
+from homespec.llama.runtime import COMPACT_AFTER, Runtime, RuntimeOptions
 from homespec.speculation.batch import Batch
 from homespec.speculation.engine import Engine, FixedPolicy, GenerationStats
 from homespec.speculation.proposers.draft import DraftProposer
@@ -128,6 +128,70 @@ def test_short_steps_beside_a_longer_one_are_padded_to_one_graph_and_keep_no_thr
         rt.slot(i).reset()
 
 
+def test_a_slot_left_idle_between_running_ones_is_compacted_away_and_every_slot_keeps_its_cells(models, epsilon) -> None:
+    """Slots 0, 2 and 3 decode while slot 1 sits idle holding its history (an answer that ended):
+    the passes bridge it with a throwaway row until the gap has lasted COMPACT_AFTER passes, then
+    slot 3 moves into its stream and the passes are one graph of three rows. Each slot keeps its
+    Slot object, tokens and cells; the moved request decodes on as it would have."""
+    rt, _ = models
+    prompts = [encode(rt, t) for t in PROMPTS[:4]]
+    for i, p in enumerate(prompts):
+        rt.slot(i).reset()
+        rt.slot(i).eval(p[:-1], "none")
+    slots = [rt.slot(i) for i in range(4)]
+    idle = slots[1]
+    before = idle.eval(prompts[1][-1:], "all").copy()  # [1, vocab]
+    idle.truncate(len(prompts[1]) - 1)
+    reference = {i: plain_alone_in(rt.slot(i), prompts[i]) for i in (2, 3)}  # each alone, in its own slot
+    for i in (0, 2, 3):
+        rt.slot(i).truncate(len(prompts[i]) - 1)
+    passes = []
+    real = rt._eval_many
+
+    def recording(parts, pads=None):
+        passes.append((sorted(slot.seq for slot, toks, _ in parts if toks), dict(pads or {})))
+        return real(parts, pads or {})
+
+    rt._eval_many = recording  # type: ignore[method-assign]
+    out: dict[int, list[int]] = {i: [] for i in (0, 2, 3)}
+    try:
+        last = {i: prompts[i][-1] for i in out}
+        for _ in range(COMPACT_AFTER + 3):
+            rows = rt.eval_many([(rt.slot(i), [last[i]], "all") for i in out])
+            for i, r in zip(out, rows):
+                last[i] = int(np.argmax(r[0]))
+                out[i].append(last[i])
+    finally:
+        del rt._eval_many
+    assert passes[: COMPACT_AFTER - 1] == [([0, 2, 3], {1: 1})] * (COMPACT_AFTER - 1)
+    assert passes[COMPACT_AFTER - 1 :] == [([0, 1, 2], {})] * 4  # the gap moved away: no throwaway row
+    assert [rt.slot(i) for i in range(4)] == slots and (slots[3].seq, slots[1].seq) == (1, 3)
+    for i in (0, 2, 3):
+        assert len(rt.slot(i).tokens) == len(prompts[i]) + COMPACT_AFTER + 2
+        assert llama_cpp.llama_memory_seq_pos_max(rt._mem, rt.slot(i).seq) == len(rt.slot(i).tokens) - 1
+    assert idle.tokens == prompts[1][:-1]
+    assert np.array_equal(idle.eval(prompts[1][-1:], "all"), before)  # its cells came along to stream 3
+    for i in (2, 3):  # the moved request, and the one beside it, decode as each does alone (near-ties aside)
+        plain, margins = reference[i]
+        j = first_divergence(plain, out[i])
+        assert j is None or margins[j] < 2 * epsilon, f"slot {i} diverged at token {j} (margin {margins[j]:.3f})"
+    for i in range(4):
+        rt.slot(i).reset()
+
+
+def plain_alone_in(slot, prompt: list[int], n: int = COMPACT_AFTER + 3) -> tuple[list[int], list[float]]:
+    """Plain greedy decoding of n tokens in `slot` alone after its prompt (cached but for the last
+    token): the tokens and each row's top-2 margin; the slot is left holding the prompt."""
+    row = slot.eval(prompt[-1:], "all")[0]
+    out, margins = [], []
+    for _ in range(n):
+        out.append(int(np.argmax(row)))
+        margins.append(margin(row))
+        row = slot.eval(out[-1:], "all")[0]
+    slot.truncate(len(prompt))
+    return out, margins
+
+
 def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_ties(models, epsilon) -> None:
     rt, draft = models
     prompts = [encode(rt, t) for t in PROMPTS]
@@ -139,7 +203,7 @@ def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_t
         outs = rt.eval_many(parts)
         for (t, toks, output), start, out in zip(parts, starts, outs):
             if output == "all":
-                rows.update({(t.seq, start + i): out[i] for i in range(len(toks))})
+                rows.update({(t, start + i): out[i] for i in range(len(toks))})  # by Slot: compaction moves seq ids
         return outs
 
     policies = [  # a different proposer per request, k = 0 included
@@ -165,7 +229,7 @@ def test_batched_requests_each_match_their_plain_decoding_alone_except_at_near_t
     for i, p in enumerate(prompts):
         # (a) every emitted token after the first that a shared pass verified is its argmax
         for j, tok in enumerate(out[i][1:], start=1):
-            row = rows.get((i, len(p) + j - 1))
+            row = rows.get((rt.slot(i), len(p) + j - 1))
             if row is not None:
                 assert int(np.argmax(row)) == tok, f"request {i} token {j} is not the target's argmax"
         # (b) the request's own plain decoding, or a divergence at one of its near-ties
