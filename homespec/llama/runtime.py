@@ -504,6 +504,8 @@ class Runtime:
                 raise RuntimeError(f"llama.cpp refused a saved KV state moving sequence {b} to stream {a}")
         x.seq, y.seq = b, a
         self._by_seq[a], self._by_seq[b] = y, x
+        log.debug("%s: sequence %d (%d tokens) moved to stream %d beside an idle slot (%d tokens)",
+                  self.path.name, b, len(y.tokens), a, len(x.tokens))
 
     def graphs(self, rows: Sequence[tuple[Slot, int]]) -> list[tuple[int, int]]:
         """The graphs llama.cpp runs a pass of `rows` (tokens per slot) as, in order: (sequences,

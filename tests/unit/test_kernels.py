@@ -9,7 +9,7 @@ import pytest
 from homespec.config import Config
 from homespec.llama import kernels
 from homespec.llama.kernels import EXACT_MAX_ROWS, TILED_ENV, TILED_MIN_ROWS, batch_invariant_buffers, exact_keeps_amx
-from homespec.llama.runtime import STREAM_PAD_RATIO, stream_gaps, stream_graphs, stream_layout
+from homespec.llama.runtime import COMPACT_AFTER, STREAM_PAD_RATIO, Runtime, stream_gaps, stream_graphs, stream_layout
 from homespec.models import loader
 from homespec.models.loader import runtime_options
 
@@ -187,6 +187,54 @@ def test_a_pass_bridges_the_streams_missing_between_its_slots_and_no_others():
     assert stream_gaps([3, 1]) == [2]
     assert stream_gaps([1, 2, 3]) == []  # a run of neighbours is one graph already
     assert stream_gaps([2]) == stream_gaps([]) == []
+
+
+def _streams(n: int) -> tuple[Runtime, list[tuple[int, int]]]:
+    """A Runtime's compaction bookkeeping over n slots without a model: each move is recorded,
+    and only the sequence ids change hands (what _swap_streams does besides copying cells)."""
+    rt = Runtime.__new__(Runtime)
+    rt._slots = [SimpleNamespace(seq=i, tokens=[]) for i in range(n)]
+    rt._by_seq, rt._gap_passes, rt._gaps = list(rt._slots), 0, []
+    moves: list[tuple[int, int]] = []
+
+    def swap(a: int, b: int) -> None:
+        moves.append((a, b))
+        x, y = rt._by_seq[a], rt._by_seq[b]
+        x.seq, y.seq = b, a
+        rt._by_seq[a], rt._by_seq[b] = y, x
+
+    rt._swap_streams = swap  # type: ignore[method-assign]
+    return rt, moves
+
+
+def test_an_idle_slot_between_running_ones_is_compacted_away_once_the_gap_has_lasted_compact_after_passes():
+    rt, moves = _streams(4)
+    for _ in range(COMPACT_AFTER - 1):
+        rt._compact([0, 2, 3])
+    assert moves == []  # a request that sits out a pass or two is not worth the copy
+    rt._compact([0, 2, 3])
+    assert moves == [(1, 3)]  # the highest moves into the gap
+    assert [s.seq for s in rt._slots] == [0, 3, 2, 1] and rt._by_seq[1] is rt._slots[3]
+    for _ in range(COMPACT_AFTER):
+        rt._compact([0, 1, 2])  # neighbours now: nothing more to move
+    assert moves == [(1, 3)]
+
+
+def test_a_gap_that_changes_or_closes_starts_the_count_again_and_slot_0_never_moves():
+    rt, moves = _streams(4)
+    for seqs in ([0, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 3], [0, 1, 2, 3], [0, 1, 3], [0, 1, 3], [0, 1, 3]):
+        rt._compact(seqs)
+    assert moves == []  # never the same gap COMPACT_AFTER passes in a row
+    rt._compact([0, 1, 3])
+    assert moves == [(2, 3)]
+    rt, moves = _streams(4)
+    for _ in range(COMPACT_AFTER):
+        rt._compact([0, 3])  # two idle slots between: one move closes both gaps
+    assert moves == [(1, 3)]
+    rt, moves = _streams(4)
+    for _ in range(COMPACT_AFTER):
+        rt._compact([1, 3])  # slot 0 idle below the lowest: no gap there, and 0 keeps its stream
+    assert moves == [(2, 3)]
 
 
 def test_a_pass_in_streams_runs_as_one_graph_per_run_of_neighbours_taking_as_many_rows_from_each():
