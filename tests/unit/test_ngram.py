@@ -84,24 +84,32 @@ def test_a_match_says_whether_it_copies_the_prompt_or_repeats_the_answer():
 
 
 def test_a_short_match_just_past_where_the_answers_copy_of_the_prompt_broke_off_resumes_it():
-    prompt = list(range(100, 100 + RESUME_WINDOW + 40))  # distinct tokens: every match is where it says
+    prompt = list(range(100, 100 + RESUME_WINDOW + 60))  # distinct tokens: every match is where it says
     prop = NgramProposer(2, 12)
-    prop.begin(prompt)
-    copied = [*prompt, *prompt[:12]]  # the answer copies the prompt's first 12 tokens (an edit)
-    assert prop.match(copied, 4).length >= 8  # a copy under way
-    changed = [*copied, 1, 2, 3]  # it breaks off at prompt[12]: the lines the edit changes
-    resumed = prop.match([*changed, *prompt[15:17]], 4)  # ... and goes on from prompt[15]
-    assert resumed.tokens == prompt[17:21] and resumed.length == 2 and resumed.from_prompt and resumed.resumes
-    ev = prop.propose([*changed, *prompt[15:17]], 4, SamplingParams(), np.random.default_rng(0)).info.evidence
+    copied = [*prompt, *prompt[20:32]]  # the answer copies 12 tokens of the prompt (an edit)
+    changed = [*copied, *prompt[32:40], 1, 2, 3]  # copies 8 more (a draft kept), breaks off at prompt[40]
+
+    def after_the_copy(tail: list[int]):
+        prop.begin(prompt)
+        assert prop.match(copied, 4).length >= 8  # a copy under way
+        return prop.match([*changed, *tail], 4)
+
+    resumed = after_the_copy(prompt[43:45])  # ... and goes on from prompt[43]
+    assert resumed.tokens == prompt[45:49] and resumed.length == 2 and resumed.from_prompt and resumed.resumes
+    ev = prop.propose([*changed, *prompt[43:45]], 4, SamplingParams(), np.random.default_rng(0)).info.evidence
     assert ev.resumes and ev.match == 2
+    near = 40 + RESUME_WINDOW - 4  # the window counts from the break, not from the last long match
+    assert after_the_copy(prompt[near - 2 : near]).resumes
     # a short match behind the break, or further on than RESUME_WINDOW, is no resumption
-    assert not prop.match([*changed, *prompt[3:5]], 4).resumes
-    far = 12 + RESUME_WINDOW + 5
-    assert not prop.match([*changed, *prompt[far : far + 2]], 4).resumes
+    behind = after_the_copy(prompt[3:5])
+    assert behind.tokens == prompt[5:9] and behind.from_prompt and not behind.resumes
+    far = 40 + RESUME_WINDOW + 5
+    ahead = after_the_copy(prompt[far : far + 2])
+    assert ahead.tokens == prompt[far + 2 : far + 6] and ahead.from_prompt and not ahead.resumes
     # nor in an answer that has not been copying: the same 2 tokens in a new request
     prop.begin(prompt)
-    fresh = prop.match([*prompt, 1, 2, 3, *prompt[15:17]], 4)
-    assert fresh.tokens == prompt[17:21] and fresh.from_prompt and not fresh.resumes
+    fresh = prop.match([*prompt, 1, 2, 3, *prompt[43:45]], 4)
+    assert fresh.tokens == prompt[45:49] and fresh.from_prompt and not fresh.resumes
 
 
 def test_a_new_request_without_begin_takes_its_context_as_the_prompt():
