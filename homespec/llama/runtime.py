@@ -488,22 +488,19 @@ class Runtime:
         self._gap_passes, self._gaps = 0, []
 
     def _swap_streams(self, a: int, b: int) -> None:
-        """Trade the KV streams of sequences a and b: each slot's cells are copied (saved
-        states, as Slot.share_prefix does across streams) to the other stream, and the slots'
-        sequence ids follow. Neither may be 0 (its hidden states and Runtime.tokens stay there)."""
+        """Trade the KV streams of sequences a and b: the slots' sequence ids trade places and each
+        slot's cells follow as a saved state (Slot.save_state / load_state, as share_prefix copies
+        across streams). Neither may be 0 (its hidden states and Runtime.tokens stay there)."""
         x, y = self._by_seq[a], self._by_seq[b]
         assert a != b and 0 not in (a, b), "slot 0 keeps its stream"
-        states = [self._save_seq(slot.seq, None) if slot.tokens else None for slot in (x, y)]  # [x's, y's]
-        for seq in (a, b):
-            llama_cpp.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        for seq, state in ((b, states[0]), (a, states[1])):
-            if state is not None and not self._load_seq(seq, state):
-                for slot in (x, y):  # both caches empty and saying so: their requests read again or fail
-                    llama_cpp.llama_memory_seq_rm(self._mem, slot.seq, -1, -1)
-                    slot.tokens.clear()
-                raise RuntimeError(f"llama.cpp refused a saved KV state moving sequence {b} to stream {a}")
+        states = [(slot, slot.save_state() if slot.tokens else None, list(slot.tokens)) for slot in (x, y)]
         x.seq, y.seq = b, a
         self._by_seq[a], self._by_seq[b] = y, x
+        for slot, state, tokens in states:  # each load first empties the stream it lands in
+            if state is None:
+                slot.reset()
+            else:
+                slot.load_state(state, tokens)
         log.debug("%s: sequence %d (%d tokens) moved to stream %d beside an idle slot (%d tokens)",
                   self.path.name, b, len(y.tokens), a, len(x.tokens))
 

@@ -34,12 +34,11 @@ from homespec.speculation.sampling import SamplingParams
 
 # Matches are measured back to this many tokens: beyond it (a long copy) more length says nothing new.
 MATCH_CAP = 32
-# A draft model's guesses whose last this many tokens copy the prompt go on as the prompt does
-# (NgramProposer.copy): an edit's draft, past the change it was asked for, is a copy again.
+# A match into the prompt this long is a copy under way (an edit reproducing its input): a draft
+# model's guesses that end so go on as the prompt does (NgramProposer.copy: an edit's draft, past
+# the change it was asked for, is a copy again), and where the answer's own copy breaks off, its
+# short matches are checked for going on with it (_follow_copy).
 COPY_MATCH = 8
-# A match into the prompt this long is a copy under way (an edit reproducing its input): where it
-# breaks off, the answer's short matches are checked for going on with it (_follow_copy).
-COPY_UNDER_WAY = 8
 # A short match into the prompt at most this many tokens past where that copy broke off resumes it
 # (Evidence.resumes): an edit going on after the lines it changed. Replayed on the 46 recorded
 # outputs (scripts/controller_replay.py), 32 and 64 did best; 16 lost the resumptions after a
@@ -160,7 +159,7 @@ class NgramProposer:
         chat answers; under one acceptance key the two are priced alike."""
         if not m.from_prompt:
             return m
-        if m.length >= COPY_UNDER_WAY:
+        if m.length >= COPY_MATCH:
             self._copy = (m.at, len(self.index.tokens))
             return m
         if self._copy is None:
