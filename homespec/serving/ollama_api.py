@@ -39,24 +39,29 @@ _GO_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|μs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+# Ollama shows a model kept forever with an expiry centuries away; so do we, and a keep_alive
+# longer than that is forever too (a clock cannot show the expiry of 1e300 seconds).
+FOREVER_S = 200 * 365 * 86400  # seconds
+
+
 def parse_keep_alive(v: Any) -> float | None:
     """keep_alive as Ollama reads it -> seconds; math.inf = keep loaded; None = not given.
 
     A number is seconds (fractions dropped, as Ollama's int(t)); a string is a Go duration
-    ("5m", "1h30m", "-1.0s") or a bare number of seconds ("300", "-1"); anything negative means
-    forever. ValueError otherwise."""
+    ("5m", "1h30m", "-1.0s") or a bare number of seconds ("300", "-1"); anything negative, or
+    longer than FOREVER_S, means forever. ValueError otherwise."""
     if v is None:
         return None
-    if isinstance(v, bool):
+    if isinstance(v, bool) or (isinstance(v, float) and math.isnan(v)):
         raise ValueError(f"keep_alive must be a number of seconds or a duration such as \"5m\", got {v!r}")
     if isinstance(v, int | float):
-        return math.inf if v < 0 else float(int(v))
+        return _kept(v < 0, v)
     if isinstance(v, str):
         s = v.strip()
         sign = -1.0 if s.startswith("-") else 1.0
         body = s.lstrip("+-")
         if re.fullmatch(r"[0-9]+(\.[0-9]*)?", body):  # a bare number: seconds (as OLLAMA_KEEP_ALIVE reads it)
-            return math.inf if sign < 0 else float(int(float(body)))
+            return _kept(sign < 0, float(body))
         pos, total = 0, 0.0
         while pos < len(body):
             m = _GO_DURATION.match(body, pos)
@@ -65,8 +70,16 @@ def parse_keep_alive(v: Any) -> float | None:
             total += float(m.group(1)) * _UNIT_S[m.group(2)]
             pos = m.end()
         if body and pos == len(body):
-            return math.inf if sign < 0 else total
+            return _kept(sign < 0, total, whole=False)
     raise ValueError(f"keep_alive {v!r} is not a duration: use seconds (300, -1 for forever) or a duration (\"5m\", \"1h30m\")")
+
+
+def _kept(negative: bool, seconds: float, whole: bool = True) -> float:
+    """A parsed keep_alive in seconds (whole: fractions dropped), or math.inf for forever
+    (negative, or past FOREVER_S)."""
+    if negative or seconds >= FOREVER_S:
+        return math.inf
+    return float(int(seconds)) if whole else seconds
 
 
 def _int_like(v: Any) -> Any:
@@ -344,10 +357,6 @@ def timestamp(t: float | None = None) -> str:
     """RFC 3339 in UTC with microseconds, as Go writes created_at ("2025-01-02T03:04:05.678901Z")."""
     when = datetime.now(timezone.utc) if t is None else datetime.fromtimestamp(t, timezone.utc)
     return when.isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-# Ollama shows a model kept forever with an expiry centuries away; so do we.
-FOREVER_S = 200 * 365 * 86400  # seconds
 
 
 def expiry(t: float) -> str:

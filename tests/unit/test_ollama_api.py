@@ -29,7 +29,15 @@ def test_keep_alive_reads_numbers_as_seconds_and_go_durations(value: object, sec
     assert ol.parse_keep_alive(value) == seconds
 
 
-@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, [5]])
+@pytest.mark.parametrize("value", [1e300, 1e18, math.inf, ol.FOREVER_S, "9999999999999h", "1" + "0" * 400])
+def test_a_keep_alive_past_what_a_clock_can_show_is_forever_and_ps_can_show_it(value: object) -> None:
+    # 1e300 s made /api/ps answer 500 (datetime.fromtimestamp overflowed) until a later request reset it
+    seconds = ol.parse_keep_alive(value)
+    assert seconds == math.inf
+    assert ol.expiry(time.time() + seconds).endswith("Z")
+
+
+@pytest.mark.parametrize("value", ["soon", "5 minutes", "", "m", True, [5], math.nan])
 def test_keep_alive_that_is_no_duration_is_refused_by_name(value: object) -> None:
     with pytest.raises(ValueError, match="keep_alive"):
         ol.parse_keep_alive(value)
