@@ -7,7 +7,7 @@ Cold: every prompt opens with a line of its own, so no cache holds any of it but
 template's system turn, which both servers keep from the request before (homespec's live KV
 cache, llama-server's slot), as a home server would.
 
-    .venv/bin/python scripts/cold_ttft.py [--config config.yaml] [--rounds 3] [--words 440]
+    .venv/bin/python scripts/cold_ttft.py [--config config.yaml] [--rounds 3] [--words 440] [--peer-arg=-fa --peer-arg=off]
 """
 
 from __future__ import annotations
@@ -73,11 +73,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--words", type=int, default=440, help="words of context (~550 prompt tokens at 440)")
     ap.add_argument("--peer-bin", type=Path, default=None, help="this llama-server (default: build or find the cached one)")
+    ap.add_argument("--peer-arg", action="append", default=[],
+                    help="one more llama-server argument (repeat it: --peer-arg=-fa --peer-arg=off)")
     args = ap.parse_args()
     config = write_config(args.config, {}, Path(tempfile.mkdtemp(prefix="homespec-ttft-")) / "config.yaml")
     cfg = load_config(config)
     binary = args.peer_bin or peer_build.build()
-    with LlamaServer(binary, resolve_model_path(cfg, cfg.models.target), PeerSetting("ls plain"), cfg.runtime.n_ctx,
+    with LlamaServer(binary, resolve_model_path(cfg, cfg.models.target), PeerSetting("ls plain", tuple(args.peer_arg)), cfg.runtime.n_ctx,
                      cfg.runtime.n_threads or physical_cores()) as server:
         proc, url, _ = start(config)
         try:
