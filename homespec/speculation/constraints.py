@@ -91,8 +91,10 @@ class Grammar:
         import llguidance
 
         self._m = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if not self._m.is_error():
+            self._m.compute_bitmask()  # a grammar whose language is empty fails only here
         if self._m.is_error():
-            raise GrammarError(f"invalid grammar: {self._m.get_error()}")
+            raise GrammarError(f"invalid grammar: {_matcher_error(self._m)}")
         self.source = grammar  # what the grammar lets an answer say (engine.shaping)
         self.n_vocab = n_vocab
         self.max_forced = max_forced
@@ -146,6 +148,14 @@ class Grammar:
                 return
             if not self._m.consume_token(int(t)):
                 raise RuntimeError(f"grammar refused emitted token {t}: {self._m.get_error()}")
+
+
+def _matcher_error(m: Any) -> str:
+    """llguidance's error, first line (the rest is its parser state); the one with no way on
+    said plainly: a rule defined only by itself (root ::= root), a schema that refers only to
+    itself, which the compile check passes and whose first token then has nothing to allow."""
+    first = m.get_error().splitlines()[0] if m.get_error() else "unknown error"
+    return "it matches no text (a rule or schema defined only by itself?)" if first == "NoExtensionBias" else first
 
 
 def apply_masks(logits: np.ndarray, masks: np.ndarray) -> np.ndarray:

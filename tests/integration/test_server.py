@@ -307,6 +307,8 @@ BAD_INPUT = [
     ("field-openai-does-not-define", "POST", "/v1/chat/completions", chat_body(PARIS, 4, mirostat=2), 400, None, "mirostat"),
     ("logit-bias-beyond-the-vocabulary", "POST", "/v1/chat/completions",
      chat_body(PARIS, 4, logit_bias={"999999": 5}), 400, "invalid_request", None),
+    ("grammar-that-matches-no-text", "POST", "/v1/chat/completions",
+     chat_body(PARIS, 4, grammar="root ::= root"), 400, "invalid_request", None),
     ("completion-best-of-two", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "best_of": 2}, 400, None, "best_of"),
     ("tools", "POST", "/v1/chat/completions", chat_body(PARIS, 4, tools=[{"type": "function"}]), 400, None, None),
     ("sixty-five-stop-strings", "POST", "/v1/chat/completions", chat_body(PARIS, 4, stop=[f"s{i}" for i in range(65)]), 400, None, "stop"),

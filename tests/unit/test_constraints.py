@@ -81,6 +81,14 @@ def test_invalid_schemas_and_grammars_are_refused_before_generation():
         check_grammar("start: (")
 
 
+@pytest.mark.parametrize("source", [lark_grammar("root ::= root"), json_schema_grammar({"$ref": "#"})])
+def test_a_grammar_that_matches_no_text_is_refused_when_the_request_starts_not_answered_empty(source):
+    # Both compile; the first mask then has no way on, and generation ended at once, "" with
+    # finish_reason "stop", a 200 for a request that cannot be answered.
+    with pytest.raises(GrammarError, match="matches no text"):
+        grammar_for(FakeRuntime(seed=0), source)
+
+
 def test_masks_roll_the_grammar_back_after_a_draft():
     g = grammar_for(FakeRuntime(vocab=8), llguidance.LLMatcher.grammar_from_regex("[a-f][bcdg][a-h][aceg][a-h]*"))
     before = g.allowed().copy()
