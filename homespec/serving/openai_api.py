@@ -36,6 +36,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class FieldError(ValueError):
+    """A check across fields (a model validator, whose errors carry no location) that is about
+    one of them: the error's `param` names it (routes/common.validation_error reads it back)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class HomespecOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     speculation: Mode | None = None  # None: the daemon's current mode
@@ -309,23 +318,23 @@ class ChatRequest(_ChatFields):
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatRequest:
         if self.tools and self.functions:
-            raise ValueError("send tools or the legacy functions, not both")
+            raise FieldError("functions", "send tools or the legacy functions, not both")
         if self.tool_choice is not None and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise FieldError("tool_choice", "tool_choice needs tools")
         if self.function_call is not None and not self.functions:
-            raise ValueError("function_call needs functions")
+            raise FieldError("function_call", "function_call needs functions")
         names = self.tool_names()
         if len(set(names)) != len(names):
-            raise ValueError("tool names must be unique")
+            raise FieldError("tools", "tool names must be unique")
         choice = self.choice()
         if choice not in ("none", "auto", "required") and choice not in names:
-            raise ValueError(f"tool_choice names {choice!r}, which is not among the tools")
+            raise FieldError("tool_choice", f"tool_choice names {choice!r}, which is not among the tools")
         # response_format and tools combine (the answer is the JSON asked for, or calls); a grammar
         # constrains the whole answer alone.
         other = [f for f, on in (("response_format", self.answer_schema() is not None),
                                  ("tools", bool(names) and choice != "none")) if on]
         if self.grammar is not None and other:
-            raise ValueError(f"grammar and {' and '.join(other)} cannot be combined (a grammar constrains the whole answer)")
+            raise FieldError("grammar", f"grammar and {' and '.join(other)} cannot be combined (a grammar constrains the whole answer)")
         return self
 
     def answer_schema(self) -> dict[str, Any] | bool | None:
@@ -402,9 +411,9 @@ class CompletionRequest(_CompletionFields):
     @model_validator(mode="after")
     def _completion_unsupported(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise ValueError("prompt must be one string (batched prompts are not supported)")
+            raise FieldError("prompt", "prompt must be one string (batched prompts are not supported)")
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise FieldError("echo", "echo is not supported")
         return self
 
     def text(self) -> str:

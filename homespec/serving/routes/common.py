@@ -101,6 +101,9 @@ def validation_error(e: RequestValidationError) -> oa.ApiError:
     # pydantic names the union member it tried in the location (`content.str`, `prompt.list[int]`,
     # `x.function-after[...]`): not a field the client sent, so left out.
     loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _UNION_MEMBER.fullmatch(str(x))]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, oa.FieldError):  # a check across fields, about one of them
+        loc.append(cause.param)
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "missing" and param is None:
@@ -109,7 +112,7 @@ def validation_error(e: RequestValidationError) -> oa.ApiError:
         msg = f"missing required field {param!r}"
     elif first.get("type") == "extra_forbidden":
         msg = f"unknown field {param!r}: not supported (homespec's own options go in the `homespec` object)"
-    elif param:
+    elif param and not msg.startswith(param):
         msg = f"{param}: {msg}"
     return oa.ApiError(400, msg, param=param)
 
