@@ -146,6 +146,9 @@ def test_health_and_ready_report_ok_when_loaded(served: Served) -> None:
     assert h.status_code == 200 and h.json()["status"] == "ok"
     r = httpx.get(f"{served.url}/ready", timeout=10)
     assert r.status_code == 200 and r.json() == {"ready": True, "state": "ready"}
+    for path in ("/health", "/ready", "/v1/models", "/models"):  # HEAD: a monitor's probe, as for Ollama's /
+        head = httpx.head(f"{served.url}{path}", timeout=10)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
 
 
 def test_models_endpoint_lists_the_one_served_model(served: Served) -> None:

@@ -15,7 +15,7 @@ from homespec.serving.routes.common import RETRY_AFTER_503_S, daemon_of
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and monitors' probe
 async def health(request: Request) -> JSONResponse:
     """Liveness, as the systemd watchdog sees it: a failed load or a stalled worker is a 503
     (a monitor restarts a daemon that refuses every request; a healthy "ok" would hide it)."""
@@ -26,7 +26,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_503_S)})
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> JSONResponse:
     daemon = daemon_of(request)
     if daemon.ready:

@@ -47,8 +47,8 @@ router = APIRouter()
 log = logging.getLogger("homespec.serving.openai")
 
 
-@router.get("/v1/models")
-@router.get("/models")  # llama-server serves its routes with and without /v1, and clients use both
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
+@router.api_route("/models", methods=["GET", "HEAD"])  # llama-server serves its routes with and without /v1, and clients use both
 async def models(request: Request) -> dict:
     return {"object": "list", "data": [_model_card(daemon_of(request))]}
 
