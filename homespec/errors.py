@@ -4,7 +4,14 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """Base for every error the CLI prints as one line (no traceback)."""
+    """Base for every error the CLI prints as one line (no traceback). param: the request field
+    it is about, where a request caused it (the API error's `param`)."""
+
+    param: str | None = None  # (a subclass with an __init__ of its own keeps this)
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class ModelError(UserError):

@@ -622,7 +622,7 @@ class Daemon:
         except PromptTooLong as e:  # the daemon's own setting: say where it is set (a client's num_ctx is not)
             return self._refuse(job, f"{e}; the daemon's context is runtime.n_ctx in its config", "context_length_exceeded")
         except UserError as e:
-            return self._refuse(job, str(e), "invalid_request")
+            return self._refuse(job, str(e), "invalid_request", e.param)
         except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text
             return self._refuse(job, f"text is not valid Unicode: {e.reason} at position {e.start}", "invalid_request")
         job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode, "load_s": load_s}))
@@ -635,8 +635,8 @@ class Daemon:
         for ev in batch.add(job.id, steps, job.priority):
             self._deliver(a, ev)
 
-    def _refuse(self, job: Job, text: str, code: str) -> None:
-        job.sink(JobEvent("error", text=text, status=400, code=code))
+    def _refuse(self, job: Job, text: str, code: str, param: str | None = None) -> None:
+        job.sink(JobEvent("error", text=text, status=400, code=code, extra={"param": param} if param else {}))
         self._job_ended(job)
 
     def _round(self) -> None:

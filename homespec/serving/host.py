@@ -471,4 +471,4 @@ def check_logit_bias(params: SamplingParams, n_vocab: int) -> None:
     """The bias names tokens of this target's vocabulary (known only once it is loaded)."""
     bad = [t for t, _ in params.logit_bias if t >= n_vocab]
     if bad:
-        raise UserError(f"logit_bias: token id {bad[0]} is not in the vocabulary (ids 0..{n_vocab - 1})")
+        raise UserError(f"logit_bias: token id {bad[0]} is not in the vocabulary (ids 0..{n_vocab - 1})", param="logit_bias")

@@ -309,7 +309,7 @@ BAD_INPUT = [
     ("audio-output", "POST", "/v1/chat/completions", chat_body(PARIS, 4, audio={"voice": "alloy", "format": "wav"}), 400, None, "audio"),
     ("field-openai-does-not-define", "POST", "/v1/chat/completions", chat_body(PARIS, 4, mirostat=2), 400, None, "mirostat"),
     ("logit-bias-beyond-the-vocabulary", "POST", "/v1/chat/completions",
-     chat_body(PARIS, 4, logit_bias={"999999": 5}), 400, "invalid_request", None),
+     chat_body(PARIS, 4, logit_bias={"999999": 5}), 400, "invalid_request", "logit_bias"),
     ("grammar-that-matches-no-text", "POST", "/v1/chat/completions",
      chat_body(PARIS, 4, grammar="root ::= root"), 400, "invalid_request", None),
     # checks across fields name the field they are about

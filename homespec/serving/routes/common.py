@@ -87,7 +87,8 @@ async def _disconnected(receive: Receive) -> None:
 
 
 def job_error(ev: JobEvent) -> oa.ApiError:
-    return oa.ApiError(ev.status, ev.text, type="server_error" if ev.status >= 500 else "invalid_request_error", code=ev.code)
+    return oa.ApiError(ev.status, ev.text, type="server_error" if ev.status >= 500 else "invalid_request_error",
+                       param=ev.extra.get("param"), code=ev.code)
 
 
 _UNION_MEMBER = re.compile(r"str|int|float|bool|[a-z][a-z-]*\[.*\]")
