@@ -151,9 +151,9 @@ class Grammar:
 
 
 def _matcher_error(m: Any) -> str:
-    """llguidance's error, first line (the rest is its parser state); the one with no way on
-    said plainly: a rule defined only by itself (root ::= root), a schema that refers only to
-    itself, which the compile check passes and whose first token then has nothing to allow."""
+    """llguidance's error, its first line (the rest is parser state). NoExtensionBias, nothing
+    can follow, is said plainly: a rule defined only by itself (root ::= root) or a schema that
+    refers only to itself passes the compile check, and its first token has nothing to allow."""
     first = m.get_error().splitlines()[0] if m.get_error() else "unknown error"
     return "it matches no text (a rule or schema defined only by itself?)" if first == "NoExtensionBias" else first
 
