@@ -39,7 +39,7 @@ from homespec.serving.host import GenerationRequest, Host, Kept
 from homespec.serving.stats import LiveStats, Metrics
 from homespec.serving.stats_schema import DaemonState, RequestRecord, RunningRequest
 from homespec.speculation.batch import Batch
-from homespec.speculation.engine import Event, GenerationStats, PromptTooLong
+from homespec.speculation.engine import GRAMMAR_DEAD_END, Event, GenerationStats, PromptTooLong
 from homespec.speculation.sampling import TokenLogprob
 from homespec.speculation.target import Target
 
@@ -677,10 +677,11 @@ class Daemon:
         if ev.step is not None:
             self.live.add_step(ev.step, session.controller.view.baseline_tps)
             self.metrics.observe_step(ev.step)
-        a.job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=ev.finish_reason,
+        dead_end = ev.finish_reason == GRAMMAR_DEAD_END  # an error, not an end: _finish says so
+        a.job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=None if dead_end else ev.finish_reason,
                             logprobs=ev.logprobs, pieces=_pieces(ev.logprobs, session.models.target) if ev.logprobs else {}))
         if ev.finish_reason:
-            self._finish(a, "ok")
+            self._finish(a, "grammar_dead_end" if dead_end else "ok")
 
     def _finish(self, a: _Active, status: str) -> None:
         """The job ends (its last event, or cancelled, or timed out): stop it at this step (its
@@ -689,10 +690,15 @@ class Daemon:
         st, job = a.stats, a.job
         if status == "timeout":
             job.sink(JobEvent("error", text=f"request timed out after {job.timeout_s:.0f} s", status=504, code="timeout", stats=st))
+        elif status == "grammar_dead_end":  # the client's grammar or schema: a 400, with the reason
+            job.sink(JobEvent("error", text=f"the answer could not go on under its grammar or schema after {st.completion_tokens} "
+                              "tokens: it allows no complete text from there (a property whose schema refers only to "
+                              "itself?)", status=400, code="grammar_dead_end", stats=st))
         else:
             job.sink(JobEvent("done", stats=st, finish_reason=st.finish_reason or status, extra={"cold": a.cold}))
         seconds = time.perf_counter() - a.t0
         self._mean_request_s += 0.2 * (seconds - self._mean_request_s)
+        status = "error" if status == "grammar_dead_end" else status  # (its finish_reason says which)
         self._record(job, st, status, a.cold, a.mode)
         self.metrics.observe_request(status, st, seconds)
         self._job_ended(job)

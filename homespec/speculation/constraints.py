@@ -104,6 +104,13 @@ class Grammar:
         """Only end-of-generation can follow (the grammar is complete and closed)."""
         return self._m.is_stopped()
 
+    @property
+    def dead_end(self) -> str | None:
+        """Why nothing can follow the answer so far though the grammar is not complete (a
+        required property whose schema refers only to itself: `{"a": ` and no value can come),
+        or None. The mask then allows only end-of-generation, so the answer stops unfinished."""
+        return _matcher_error(self._m) if self._m.is_error() else None
+
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens the grammar allows next."""
         packed = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)  # [ceil(vocab / 32) * 4]

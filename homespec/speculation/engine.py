@@ -63,6 +63,9 @@ from homespec.tokens import common_prefix
 
 OFF = "off"  # the proposer name of a k = 0 step (plain decoding)
 FORCED = "grammar"  # the proposer name of a jump-forward step: the grammar's only continuation
+# The finish reason of an answer its grammar left with no way on before it was complete (a
+# schema that never ends): not "stop", which would pass its unfinished text off as whole.
+GRAMMAR_DEAD_END = "grammar"
 
 
 @dataclass(frozen=True)
@@ -257,7 +260,7 @@ class Event:
     text: str  # new text, safe to show (stop strings and split characters held back)
     tokens: list[int]  # new tokens, counted in usage
     step: StepStats | None  # the step that produced them (None: the first token, from prefill)
-    finish_reason: str | None = None  # "stop" | "length" | "context"; None = more to come
+    finish_reason: str | None = None  # "stop" | "length" | "context" | GRAMMAR_DEAD_END; None = more to come
     # With logprobs asked for: one per token whose text this event shows (not one per `tokens`:
     # text held back for a possible stop string brings its tokens' logprobs when it is shown,
     # and a stop string's own tokens and EOS are never shown).
@@ -414,6 +417,8 @@ class Engine:
                 gaps.append(argmax_gaps(verdict.rows, event.tokens))
             if grammar is not None:
                 grammar.commit(event.tokens)
+                if event.finish_reason == "stop" and grammar.dead_end:  # not complete: it could not go on
+                    event.finish_reason = st.finish_reason = GRAMMAR_DEAD_END
 
     def _decide(self, policy: SpeculationPolicy, ctx: list[int], beside: Beside) -> Generator[Ask, object, Decision]:
         """The next step's proposer and k: the driver's, planned with the other requests in the

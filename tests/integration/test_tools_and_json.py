@@ -286,3 +286,27 @@ def test_the_same_tool_call_question_again_drafts_the_remembered_call(served: Se
     f, a = first.model_extra["homespec"], again.model_extra["homespec"]
     assert a["steps"] < f["steps"], (f, a)
     assert a["accepted"] > f["accepted"], (f, a)
+
+
+# A required property whose schema is itself: `{"a": ` and then no value can come (llguidance
+# finds it at that mask). The answer used to end there with finish_reason "stop".
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+
+
+def test_a_schema_that_allows_no_complete_answer_is_an_error_not_a_stopped_answer(served: Served) -> None:
+    client = oai(served)
+    ask = {"model": served.model, "messages": [{"role": "user", "content": "Give me a JSON object."}],
+           "response_format": _schema_format(ENDLESS), "max_tokens": 16, "temperature": 0}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**ask)
+    assert e.value.code == "grammar_dead_end" and "schema" in e.value.message
+    text, raised = "", None
+    try:  # streamed, the text so far has gone out; the stream ends with the error, not a finish
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            if chunk.choices:
+                assert chunk.choices[0].finish_reason is None
+                text += chunk.choices[0].delta.content or ""
+    except openai.APIError as err:
+        raised = err
+    assert raised is not None and "grammar or schema" in str(raised)
+    assert text.startswith("{") and '"a"' in text

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from homespec.speculation.constraints import Grammar, GrammarError, check_grammar, json_schema_grammar, lark_grammar
-from homespec.speculation.engine import FORCED, Engine, FixedPolicy, GenerationStats
+from homespec.speculation.engine import FORCED, GRAMMAR_DEAD_END, Engine, FixedPolicy, GenerationStats
 from homespec.speculation.proposers.draft import DraftProposer
 from homespec.speculation.proposers.ngram import NgramProposer
 from homespec.speculation.sampling import SamplingParams, penalize, probabilities, window
@@ -69,6 +69,16 @@ def test_generation_ends_when_the_grammar_is_complete():
     out, text, st = generate(target, lark_grammar('root ::= "ab" [c-d] "e"'), FixedPolicy(), max_tokens=30)
     assert re.fullmatch("ab[cd]e", text)
     assert st.finish_reason == "stop" and out[-1] == 63  # the only token the mask then allows
+
+
+@pytest.mark.parametrize("policy", [FixedPolicy(), FixedPolicy(NgramProposer(1, 3), 4)])
+def test_a_grammar_left_with_no_way_on_ends_as_a_dead_end_not_as_a_complete_answer(policy):
+    # "ab", then a rule defined only by itself: llguidance finds at the third mask that nothing
+    # can follow, allows only end-of-generation, and the answer stopped as if complete.
+    target = FakeRuntime(seed=0, vocab=64, eos=63)
+    out, text, st = generate(target, lark_grammar('root ::= "ab" x\nx ::= x'), policy, max_tokens=30)
+    assert text == "ab" and out[-1] == 63
+    assert st.finish_reason == GRAMMAR_DEAD_END != "stop"
 
 
 def test_invalid_schemas_and_grammars_are_refused_before_generation():
