@@ -101,6 +101,9 @@ class Job:
     keep_alive_s: float | None = None
     # Higher first: admitted before lower ones, its prompt read first (X-Homespec-Priority).
     priority: int = 0
+    # The request field its prompt came from ("messages", "prompt"): a refusal of the prompt
+    # (too long for the context, not text) names it as the error's param. None: not one field.
+    prompt_param: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     created: float = field(default_factory=time.time)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -620,11 +623,13 @@ class Daemon:
             slot = session.pick_slot(tokens, free)
             steps = session.steps(tokens, req, slot, stats)
         except PromptTooLong as e:  # the daemon's own setting: say where it is set (a client's num_ctx is not)
-            return self._refuse(job, f"{e}; the daemon's context is runtime.n_ctx in its config", "context_length_exceeded")
+            return self._refuse(job, f"{e}; the daemon's context is runtime.n_ctx in its config", "context_length_exceeded",
+                                job.prompt_param)
         except UserError as e:
             return self._refuse(job, str(e), "invalid_request", e.param)
         except UnicodeEncodeError as e:  # JSON may carry lone surrogates ("\ud800"): not text
-            return self._refuse(job, f"text is not valid Unicode: {e.reason} at position {e.start}", "invalid_request")
+            return self._refuse(job, f"text is not valid Unicode: {e.reason} at position {e.start}", "invalid_request",
+                                job.prompt_param)
         job.sink(JobEvent("started", extra={"prompt_tokens": len(tokens), "cold": cold, "mode": req.mode, "load_s": load_s}))
         self.metrics.queue_wait.labels(str(job.priority)).observe(max(0.0, time.time() - job.created - load_s))
         a = _Active(job, slot, stats, req.mode, cold, t0, time.monotonic() - load_s + job.timeout_s)

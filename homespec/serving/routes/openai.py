@@ -125,7 +125,7 @@ async def _complete(request: Request, body: oa._Common, kind: Kind, encode: Call
     daemon = daemon_of(request)
     check_model(daemon.cfg, body.model)
     job = Job(to_request(daemon, body, body.limit(), grammar), sink=lambda ev: None,
-              timeout_s=daemon.cfg.server.request_timeout_s, encode=encode)
+              timeout_s=daemon.cfg.server.request_timeout_s, encode=encode, prompt_param="messages" if kind == "chat" else "prompt")
     return await run(request, body, job, kind, tools)
 
 
