@@ -682,11 +682,11 @@ class Daemon:
         if ev.step is not None:
             self.live.add_step(ev.step, session.controller.view.baseline_tps)
             self.metrics.observe_step(ev.step)
-        dead_end = ev.finish_reason == GRAMMAR_DEAD_END  # an error, not an end: _finish says so
-        a.job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=None if dead_end else ev.finish_reason,
+        finish = None if ev.finish_reason == GRAMMAR_DEAD_END else ev.finish_reason  # an error, not an end: _finish says so
+        a.job.sink(JobEvent("delta", text=ev.text, tokens=len(ev.tokens), finish_reason=finish,
                             logprobs=ev.logprobs, pieces=_pieces(ev.logprobs, session.models.target) if ev.logprobs else {}))
         if ev.finish_reason:
-            self._finish(a, "grammar_dead_end" if dead_end else "ok")
+            self._finish(a, "ok")
 
     def _finish(self, a: _Active, status: str) -> None:
         """The job ends (its last event, or cancelled, or timed out): stop it at this step (its
@@ -695,15 +695,15 @@ class Daemon:
         st, job = a.stats, a.job
         if status == "timeout":
             job.sink(JobEvent("error", text=f"request timed out after {job.timeout_s:.0f} s", status=504, code="timeout", stats=st))
-        elif status == "grammar_dead_end":  # the client's grammar or schema: a 400, with the reason
+        elif st.finish_reason == GRAMMAR_DEAD_END:  # the client's grammar or schema: a 400, with the reason
             job.sink(JobEvent("error", text=f"the answer could not go on under its grammar or schema after {st.completion_tokens} "
                               "tokens: it allows no complete text from there (a property whose schema refers only to "
-                              "itself?)", status=400, code="grammar_dead_end", stats=st))
+                              "itself?)", status=400, code=GRAMMAR_DEAD_END, stats=st))
+            status = "error"  # (its finish_reason says which)
         else:
             job.sink(JobEvent("done", stats=st, finish_reason=st.finish_reason or status, extra={"cold": a.cold}))
         seconds = time.perf_counter() - a.t0
         self._mean_request_s += 0.2 * (seconds - self._mean_request_s)
-        status = "error" if status == "grammar_dead_end" else status  # (its finish_reason says which)
         self._record(job, st, status, a.cold, a.mode)
         self.metrics.observe_request(status, st, seconds)
         self._job_ended(job)

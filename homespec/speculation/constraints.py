@@ -105,11 +105,11 @@ class Grammar:
         return self._m.is_stopped()
 
     @property
-    def dead_end(self) -> str | None:
-        """Why nothing can follow the answer so far though the grammar is not complete (a
-        required property whose schema refers only to itself: `{"a": ` and no value can come),
-        or None. The mask then allows only end-of-generation, so the answer stops unfinished."""
-        return _matcher_error(self._m) if self._m.is_error() else None
+    def dead_end(self) -> bool:
+        """Nothing can follow the answer so far, though the grammar is not complete (a required
+        property whose schema refers only to itself: `{"a": ` and no value can come). The mask
+        then allows only end-of-generation, so the answer stops unfinished."""
+        return self._m.is_error()
 
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens the grammar allows next."""

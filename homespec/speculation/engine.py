@@ -64,8 +64,9 @@ from homespec.tokens import common_prefix
 OFF = "off"  # the proposer name of a k = 0 step (plain decoding)
 FORCED = "grammar"  # the proposer name of a jump-forward step: the grammar's only continuation
 # The finish reason of an answer its grammar left with no way on before it was complete (a
-# schema that never ends): not "stop", which would pass its unfinished text off as whole.
-GRAMMAR_DEAD_END = "grammar"
+# schema that never ends): not "stop", which would pass its unfinished text off as whole. The
+# daemon's 400 for it carries the same code.
+GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass(frozen=True)
