@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from homespec.serving.llama_options import LlamaCppOptions, llama_sampling
 from homespec.serving.openai_api import HomespecOptions, stop_strings
+from homespec.serving.request_types import Flag, Integer, Number
 from homespec.speculation.engine import GenerationStats
 
 # llama.cpp /completion options homespec does not implement, beyond the sampling ones
@@ -55,23 +56,23 @@ class InfillRequest(LlamaCppOptions):
     input_suffix: str
     input_extra: list[ExtraChunk] = Field(default_factory=list)
     prompt: str = ""  # appended to the prefix: the current line up to the cursor, say
-    n_predict: int | None = Field(None, ge=-1)  # -1: the server default; 0: evaluate the prompt only
-    max_completion_tokens: int | None = Field(None, ge=-1)  # llama.cpp's aliases of n_predict, in its order
-    max_tokens: int | None = Field(None, ge=-1)
-    stream: bool = False
+    n_predict: Integer | None = Field(None, ge=-1)  # -1: the server default; 0: evaluate the prompt only
+    max_completion_tokens: Integer | None = Field(None, ge=-1)  # llama.cpp's aliases of n_predict, in its order
+    max_tokens: Integer | None = Field(None, ge=-1)
+    stream: Flag = False
     stop: str | list[str] | None = None
-    temperature: float | None = Field(None, le=5)  # <= 0: greedy
-    top_k: int | None = None  # <= 0: off
-    top_p: float | None = Field(None, gt=0, le=1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, ge=-1, le=2**64 - 1)  # -1: a fresh seed
-    n_indent: int = Field(0, ge=0)  # lines after the first need at least this indentation
-    t_max_predict_ms: int = Field(0, ge=0)  # after a newline, stop once this long has passed
+    temperature: Number | None = Field(None, le=5)  # <= 0: greedy
+    top_k: Integer | None = None  # <= 0: off
+    top_p: Number | None = Field(None, gt=0, le=1)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    seed: Integer | None = Field(None, ge=-1, le=2**64 - 1)  # -1: a fresh seed
+    n_indent: Integer = Field(0, ge=0)  # lines after the first need at least this indentation
+    t_max_predict_ms: Integer = Field(0, ge=0)  # after a newline, stop once this long has passed
     response_fields: list[str] | None = None  # keep only these ("timings/prompt_n": nested)
-    n_cmpl: int = 1  # completions of the same prompt, answered as a list (at most one per slot)
-    n: int | None = None  # llama.cpp's alias of n_cmpl (OpenAI's name), used when n_cmpl is not given
+    n_cmpl: Integer = 1  # completions of the same prompt, answered as a list (at most one per slot)
+    n: Integer | None = None  # llama.cpp's alias of n_cmpl (OpenAI's name), used when n_cmpl is not given
     homespec: HomespecOptions | None = None  # as on the OpenAI routes: {"speculation": "off", "k": 4}
 
     @field_validator("stop")

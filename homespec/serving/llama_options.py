@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
 from homespec.errors import UserError
+from homespec.serving.request_types import Flag, Integer, Number
 from homespec.speculation.sampling import DEFAULT_ORDER, SamplingParams
 
 # llama.cpp's penalty window when none is given; homespec's is fixed at the same 64 (sampling.py).
@@ -65,34 +66,34 @@ class LlamaCppOptions(BaseModel):
     """The options, declared so that a request model refusing unknown fields accepts them."""
 
     samplers: list[str] | str | None = None
-    n_predict: int | None = Field(None, ge=-1)  # llama.cpp's max_tokens: -1 the server's default, 0 the prompt only
-    repeat_penalty: float | None = Field(None, gt=0, le=10)  # homespec's repetition_penalty
-    repeat_last_n: int | None = None
+    n_predict: Integer | None = Field(None, ge=-1)  # llama.cpp's max_tokens: -1 the server's default, 0 the prompt only
+    repeat_penalty: Number | None = Field(None, gt=0, le=10)  # homespec's repetition_penalty
+    repeat_last_n: Integer | None = None
     # The samplers homespec lacks (NEUTRAL) ...
-    dynatemp_range: float | None = None
-    typical_p: float | None = None
-    dry_multiplier: float | None = None
-    xtc_probability: float | None = None
-    mirostat: int | None = None
-    top_n_sigma: float | None = None
-    min_keep: int | None = None
-    n_probs: int | None = None
-    ignore_eos: bool | None = None
+    dynatemp_range: Number | None = None
+    typical_p: Number | None = None
+    dry_multiplier: Number | None = None
+    xtc_probability: Number | None = None
+    mirostat: Integer | None = None
+    top_n_sigma: Number | None = None
+    min_keep: Integer | None = None
+    n_probs: Integer | None = None
+    ignore_eos: Flag | None = None
     # ... and what only tunes them: nothing to do while they are off.
-    dynatemp_exponent: float | None = None
-    xtc_threshold: float | None = None
-    dry_base: float | None = None
-    dry_allowed_length: int | None = None
-    dry_penalty_last_n: int | None = None
+    dynatemp_exponent: Number | None = None
+    xtc_threshold: Number | None = None
+    dry_base: Number | None = None
+    dry_allowed_length: Integer | None = None
+    dry_penalty_last_n: Integer | None = None
     dry_sequence_breakers: list[str] | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
+    mirostat_tau: Number | None = None
+    mirostat_eta: Number | None = None
     # Cache and slot controls: homespec's prefix cache is always on and picks its own slot.
-    cache_prompt: bool | None = None
-    id_slot: int | None = None
-    t_max_prompt_ms: int | None = None
-    timings_per_token: bool | None = None
-    return_progress: bool | None = None
+    cache_prompt: Flag | None = None
+    id_slot: Integer | None = None
+    t_max_prompt_ms: Integer | None = None
+    timings_per_token: Flag | None = None
+    return_progress: Flag | None = None
     # llama.cpp shapes only its own answers with it (/completion, /infill), never OpenAI's.
     response_fields: list[str] | None = None
 

@@ -28,6 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from homespec.config import Mode
 from homespec.serving.llama_options import PENALTY_LAST_N, llama_sampling
 from homespec.serving.openai_api import MAX_STOP, FunctionDef
+from homespec.serving.request_types import Flag, Integer, Number
 from homespec.serving.tool_calls import Call
 from homespec.speculation.engine import GenerationStats
 
@@ -89,7 +90,8 @@ def _int_like(v: Any) -> Any:
     return v
 
 
-IntOption = Annotated[int, BeforeValidator(_int_like)]
+# Ollama refuses a string or a boolean for an int option ("must be of type integer"), as Integer does.
+IntOption = Annotated[Integer, BeforeValidator(_int_like)]
 
 # Options homespec does not implement, with the values at which they do nothing (Ollama's
 # defaults). Any other value would change the answer: refused, never dropped.
@@ -105,20 +107,20 @@ class Options(BaseModel):
     400 there and here); unknown keys are ignored, as Ollama ignores them."""
 
     model_config = ConfigDict(extra="allow")
-    temperature: float | None = Field(None, ge=0)  # 0: greedy
+    temperature: Number | None = Field(None, ge=0)  # 0: greedy
     top_k: IntOption | None = None  # <= 0: off
-    top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
-    min_p: float | None = Field(None, ge=0, le=1)
+    top_p: Number | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
+    min_p: Number | None = Field(None, ge=0, le=1)
     num_predict: IntOption | None = Field(None, ge=-2)  # -1 (and -2): until the context is full
     stop: list[str] | None = Field(None, max_length=MAX_STOP)
     seed: IntOption | None = None  # negative: a fresh seed
-    repeat_penalty: float | None = Field(None, gt=0, le=10)
+    repeat_penalty: Number | None = Field(None, gt=0, le=10)
     repeat_last_n: IntOption | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     # Refused unless neutral (NEUTRAL).
-    typical_p: float | None = None
-    tfs_z: float | None = None
+    typical_p: Number | None = None
+    tfs_z: Number | None = None
     mirostat: IntOption | None = None
     # Nothing to steer here: the context, batch and threads are the daemon's, fixed at load
     # (Ollama reloads the model for another num_ctx); homespec stops at a full context where
@@ -129,17 +131,17 @@ class Options(BaseModel):
     main_gpu: IntOption | None = None
     num_thread: IntOption | None = None
     num_keep: IntOption | None = None
-    mirostat_tau: float | None = None
-    mirostat_eta: float | None = None
-    low_vram: bool | None = None
-    f16_kv: bool | None = None
-    logits_all: bool | None = None
-    vocab_only: bool | None = None
-    use_mmap: bool | None = None
-    use_mlock: bool | None = None
-    numa: bool | None = None
-    embedding_only: bool | None = None
-    penalize_newline: bool | None = None  # Ollama's current engine ignores it too
+    mirostat_tau: Number | None = None
+    mirostat_eta: Number | None = None
+    low_vram: Flag | None = None
+    f16_kv: Flag | None = None
+    logits_all: Flag | None = None
+    vocab_only: Flag | None = None
+    use_mmap: Flag | None = None
+    use_mlock: Flag | None = None
+    numa: Flag | None = None
+    embedding_only: Flag | None = None
+    penalize_newline: Flag | None = None  # Ollama's current engine ignores it too
     homespec_speculation: Mode | None = None  # homespec's: this request's speculation mode
     homespec_k: IntOption | None = Field(None, ge=0, le=64)  # homespec's: draft length
 
@@ -261,11 +263,11 @@ class _Generation(BaseModel):
     model: str = Field(min_length=1)
     format: Format = None  # "json", or a JSON schema the answer follows
     options: Options = Field(default_factory=Options)
-    stream: bool = True
-    keep_alive: float | None = None  # seconds (see parse_keep_alive); None: the daemon's default
-    think: bool | str | None = None
-    logprobs: bool = False
-    top_logprobs: int = Field(0, ge=0, le=20)
+    stream: Flag = True
+    keep_alive: Number | None = None  # seconds (see parse_keep_alive); None: the daemon's default
+    think: Flag | str | None = None
+    logprobs: Flag = False
+    top_logprobs: Integer = Field(0, ge=0, le=20)
 
     @field_validator("keep_alive", mode="before")
     @classmethod
@@ -305,8 +307,8 @@ class GenerateRequest(_Generation):
     suffix: str | None = None  # the code after the gap: the answer fills it (FIM)
     system: str | None = None
     template: str | None = None
-    context: list[int] | None = None
-    raw: bool = False
+    context: list[Integer] | None = None
+    raw: Flag = False
     images: list[Any] | None = None
 
     @field_validator("suffix")
@@ -336,8 +338,8 @@ class ModelRequest(BaseModel):
     _nulls = model_validator(mode="before")(_null_is_unset)
     model: str | None = None
     name: str | None = None
-    stream: bool = True  # /api/pull
-    verbose: bool = False  # /api/show: the vocabulary too (left out: it is ~150k strings)
+    stream: Flag = True  # /api/pull
+    verbose: Flag = False  # /api/show: the vocabulary too (left out: it is ~150k strings)
 
     @model_validator(mode="after")
     def _named(self) -> ModelRequest:

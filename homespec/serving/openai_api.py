@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from homespec.config import Mode
 from homespec.serving.llama_options import LlamaCppOptions
 from homespec.serving.openai_fields import refusal
+from homespec.serving.request_types import Flag, Integer, Number
 from homespec.serving.tool_calls import template_tool_calls
 from homespec.speculation.engine import GenerationStats
 from homespec.speculation.sampling import TokenLogprob
@@ -48,7 +49,7 @@ class FieldError(ValueError):
 class HomespecOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     speculation: Mode | None = None  # None: the daemon's current mode
-    k: int | None = Field(None, ge=0, le=64)
+    k: Integer | None = Field(None, ge=0, le=64)
 
 
 class ContentPart(BaseModel):
@@ -103,7 +104,7 @@ class FunctionDef(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
-    strict: bool | None = None  # calls always follow the schema here (constrained decoding)
+    strict: Flag | None = None  # calls always follow the schema here (constrained decoding)
 
     def template(self) -> dict[str, Any]:
         """The definition as chat templates render it (they `tojson` the whole tool)."""
@@ -129,8 +130,8 @@ class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] | bool = Field(True, alias="schema")  # True: any JSON value
-    strict: bool | None = None  # always strict here: the schema constrains generation
+    schema_: dict[str, Any] | Flag = Field(True, alias="schema")  # True: any JSON value
+    strict: Flag | None = None  # always strict here: the schema constrains generation
 
 
 class ResponseFormat(BaseModel):
@@ -147,7 +148,7 @@ class ResponseFormat(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 # OpenAI allows 4 stop strings; code assistants (Continue, llama.vscode) send 5-15 to end a
@@ -176,20 +177,20 @@ class _Common(LlamaCppOptions):
     # change the answer).
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=-1)  # -1 (llama.cpp's "no limit"): the server's default
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=10)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI: a signed 64-bit integer
+    max_tokens: Integer | None = Field(None, ge=-1)  # -1 (llama.cpp's "no limit"): the server's default
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, ge=0, le=1)  # 0: the likeliest token only, as llama.cpp keeps one
+    top_k: Integer | None = Field(None, ge=0)
+    min_p: Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Number | None = Field(None, gt=0, le=10)
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    seed: Integer | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI: a signed 64-bit integer
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
-    stream: bool = False
+    n: Integer | None = Field(None, ge=1)
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    logit_bias: dict[str, Number] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # ignored (openai_fields.py says why)
     homespec: HomespecOptions | None = None
 
@@ -251,8 +252,8 @@ def _refuse(name: str | None, value: Any) -> Any:
 class _ChatFields(_Common):
     """Chat's own fields beyond the common ones (tools and response_format are ChatRequest's)."""
 
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: Flag | None = None
+    top_logprobs: Integer | None = Field(None, ge=0, le=20)
     # Ignored: none of them can change the answer (openai_fields.py says why, field by field).
     metadata: Any = None
     store: Any = None
@@ -289,8 +290,8 @@ class _ChatFields(_Common):
 class _CompletionFields(_Common):
     """The completions endpoint's own fields beyond the common ones."""
 
-    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy meaning: alternatives per token
-    best_of: int | None = Field(None, ge=1)
+    logprobs: Integer | None = Field(None, ge=0, le=5)  # OpenAI's legacy meaning: alternatives per token
+    best_of: Integer | None = Field(None, ge=1)
 
     @field_validator("best_of")
     @classmethod
@@ -306,10 +307,10 @@ ToolChoice = Literal["none", "auto", "required"]
 
 class ChatRequest(_ChatFields):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | NamedToolChoice | None = None  # None: "auto" with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Flag = True
     functions: list[FunctionDef] | None = None  # legacy tools
     function_call: Literal["none", "auto"] | NamedFunction | None = None  # legacy tool_choice
     response_format: ResponseFormat | None = None
@@ -396,7 +397,7 @@ class ChatRequest(_ChatFields):
 
 class CompletionRequest(_CompletionFields):
     prompt: str | list[str]
-    echo: bool = False
+    echo: Flag = False
     # The text after the gap: the prompt is then the prefix, and the answer is the middle that
     # joins them (fill-in-the-middle with the model's FIM tokens; "" = the end of the file).
     suffix: str | None = None

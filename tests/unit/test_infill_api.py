@@ -102,6 +102,19 @@ def test_the_same_options_at_their_neutral_value_are_accepted(field):
     InfillRequest.model_validate({**BASE, **field})
 
 
+@pytest.mark.parametrize("field", [{"n_predict": "128"}, {"n_predict": True}, {"stream": "true"}, {"top_p": "0.9"},
+                                   {"cache_prompt": 1}, {"n_indent": 4.5}, {"t_max_predict_ms": "1000"}])
+def test_a_value_of_another_json_type_is_refused_by_name_as_llama_server_refuses_it(field):
+    # llama-server reads its fields with nlohmann json, which throws "type must be number"
+    with pytest.raises(ValidationError, match=next(iter(field))):
+        InfillRequest.model_validate({**BASE, **field})
+
+
+def test_numbers_written_as_floats_or_integers_are_accepted():
+    r = InfillRequest.model_validate({**BASE, "n_predict": 16.0, "temperature": 0, "top_p": 1})
+    assert r.n_predict == 16 and r.temperature == 0.0
+
+
 def test_prefix_and_suffix_are_required_as_in_llama_cpp():
     for missing in ("input_prefix", "input_suffix"):
         with pytest.raises(ValidationError, match=missing):

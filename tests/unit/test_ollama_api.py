@@ -56,6 +56,21 @@ def test_unknown_option_keys_are_ignored_but_known_ones_keep_their_type() -> Non
         ol.Options.model_validate({"use_mmap": "maybe"})
 
 
+@pytest.mark.parametrize("options", [{"num_predict": "8"}, {"top_k": True}, {"seed": "1"}, {"temperature": "0.5"},
+                                     {"temperature": True}, {"use_mmap": 1}, {"numa": "false"}])
+def test_options_of_another_json_type_are_refused_by_name_as_ollama_refuses_them(options: dict) -> None:
+    # Ollama: `option "num_predict" must be of type integer`; lax pydantic read "8" as 8 and true as 1.
+    with pytest.raises(ValidationError, match=next(iter(options))):
+        ol.Options.model_validate(options)
+
+
+@pytest.mark.parametrize(("field", "value"), [("stream", "false"), ("stream", 0), ("raw", "yes"), ("logprobs", 1),
+                                              ("top_logprobs", "3")])
+def test_request_fields_of_another_json_type_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(ValidationError, match=field):
+        ol.GenerateRequest.model_validate({"model": "m", "prompt": "hi", field: value})
+
+
 @pytest.mark.parametrize(
     "options",
     [{"typical_p": 0.5}, {"tfs_z": 0.9}, {"mirostat": 2}, {"repeat_penalty": 1.2, "repeat_last_n": 128}, {"num_predict": 0}],

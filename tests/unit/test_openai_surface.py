@@ -197,6 +197,40 @@ def test_a_wrong_type_in_a_union_field_names_the_field_not_the_member_tried(serv
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "max_tokens", "8"),  # lax pydantic read these as 8, 1, true and 0.5
+    ("/v1/chat/completions", "max_tokens", True),
+    ("/v1/chat/completions", "max_tokens", 2.5),
+    ("/v1/chat/completions", "stream", "yes"),
+    ("/v1/chat/completions", "stream", 1),
+    ("/v1/chat/completions", "temperature", "0.5"),
+    ("/v1/chat/completions", "temperature", False),
+    ("/v1/chat/completions", "seed", "7"),
+    ("/v1/chat/completions", "logprobs", "true"),
+    ("/v1/chat/completions", "logit_bias", {"5": "1"}),
+    ("/v1/chat/completions", "ignore_eos", 0),  # llama-server's option
+    ("/v1/completions", "echo", "no"),
+    ("/v1/completions", "max_tokens", "2"),
+])
+def test_a_value_of_another_json_type_is_a_400_naming_its_field(server: tuple[str, Daemon], path: str, field: str,
+                                                               value: Any) -> None:
+    url, _ = server
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    r = post(url, path, {**base, "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].split(".")[0] == field and field in err["message"], err
+
+
+def test_numbers_as_json_clients_write_them_are_accepted(server: tuple[str, Daemon]) -> None:
+    # Python's json.dumps writes 2.0 for a float that holds 2; an integer is a valid temperature.
+    url, _ = server
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.0,
+                                           "temperature": 0, "top_p": 1, "logit_bias": {"5": -1}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+
+
 @pytest.mark.parametrize("part", [
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
     {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},

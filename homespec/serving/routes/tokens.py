@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from homespec.errors import ModelError
 from homespec.llama.runtime import Vocabulary
 from homespec.serving import openai_api as oa
+from homespec.serving.request_types import Flag, Integer
 from homespec.serving.routes.common import daemon_of
 
 router = APIRouter()
@@ -25,14 +26,14 @@ router = APIRouter()
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # as llama-server ignores fields it does not know
     content: str
-    add_special: bool = False  # the BOS a prompt would begin with (none for Qwen)
-    parse_special: bool = True  # "<|im_start|>" in the text is the control token, not its characters
-    with_pieces: bool = False
+    add_special: Flag = False  # the BOS a prompt would begin with (none for Qwen)
+    parse_special: Flag = True  # "<|im_start|>" in the text is the control token, not its characters
+    with_pieces: Flag = False
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    tokens: list[int]
+    tokens: list[Integer]
 
 
 # Plain `def`: FastAPI runs them on its thread pool, so reading the vocabulary the first time
