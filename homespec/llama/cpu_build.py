@@ -89,6 +89,16 @@ SOURCE_FIXES: tuple[tuple[str, str, str, str], ...] = (
      "            case GGML_TYPE_IQ4_XS:  // homespec: no GGML_TYPE_Q6_K, it decodes faster outside AMX\n"),
 )
 
+def _fix_text(name: str) -> str:
+    """A longer fix's code, kept as C++ in source_fixes/ beside this file."""
+    return (Path(__file__).resolve().parent / "source_fixes" / name).read_text()
+
+
+FA_GROUPED_FIX = "cpu-fa-grouped-heads"
+_OPS = "ggml/src/ggml-cpu/ops.cpp"
+_FA_F16 = "static void ggml_compute_forward_flash_attn_ext_f16(\n"  # the kernel goes before it
+_FA_SPLIT = "    if (use_split_kv_path) {\n"  # the dispatch goes before it
+
 # Changes to llama-cpp-python's llama.cpp only (the bench's peer, a later ggml, has no use_ref). A
 # fix may take several entries of one name.
 USE_REF_FIX = "cpu-use-ref-switch"
@@ -108,6 +118,10 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     (USE_REF_FIX, "ggml/src/ggml-cpu/ggml-cpu.cpp",
      "    cplan.use_ref             = cpu_ctx->use_ref;\n",
      "    cplan.use_ref             = cpu_ctx->use_ref || homespec_use_ref.load();  // homespec\n"),
+    # Flash attention for passes of a few query rows with each KV head's query heads in one tile
+    # (source_fixes/flash_attn_grouped.cpp says how); the reference switch still takes ggml's own.
+    (FA_GROUPED_FIX, _OPS, _FA_F16, _fix_text("flash_attn_grouped.cpp") + _FA_F16),
+    (FA_GROUPED_FIX, _OPS, _FA_SPLIT, _fix_text("flash_attn_grouped_dispatch.cpp") + _FA_SPLIT),
 )
 
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile

@@ -208,18 +208,35 @@ CPU_BACKEND = """static const char * ggml_backend_cpu_get_name(ggml_backend_t ba
 """
 
 
-def test_the_wheel_alone_gets_the_reference_switch_and_its_cache_key_names_it(tmp_path: Path) -> None:
+# The two lines of ggml-cpu/ops.cpp the grouped flash-attention kernel and its dispatch go before.
+OPS = """static void ggml_compute_forward_flash_attn_ext_f16(
+        const ggml_compute_params * params,
+        ggml_tensor * dst) {
+    if (use_split_kv_path) {
+    }
+}
+"""
+
+
+def test_the_wheel_alone_gets_the_reference_switch_and_grouped_attention_and_its_cache_key_names_them(tmp_path: Path) -> None:
     tree = _llama_tree(tmp_path)
-    cpu = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp"
+    cpu, ops = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp", tree / "ggml/src/ggml-cpu/ops.cpp"
     cpu.write_text(CPU_BACKEND)
+    ops.write_text(OPS)
     assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]  # the peer's: its ggml has no use_ref
-    assert cpu.read_text() == CPU_BACKEND
-    assert cb.fix_source(tree, cb.WHEEL_FIXES) == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX]
+    assert cpu.read_text() == CPU_BACKEND and ops.read_text() == OPS  # the peer stays llama.cpp as published
+    assert cb.fix_source(tree, cb.WHEEL_FIXES) == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX]
     fixed = cpu.read_text()
     assert "cpu_ctx->use_ref || homespec_use_ref.load()" in fixed and f"void {cb.REFERENCE_SWITCH_SYMBOL}(bool" in fixed
     assert fixed.index("homespec_use_ref{false}") < fixed.index("homespec_use_ref.load()")  # declared before use
-    assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed  # once only
-    assert cb.fix_names() == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX]  # the wheel's key and stamp
+    attention = ops.read_text()
+    # the kernel is defined before the function that calls it, and the call comes before the split path
+    kernel = attention.index("static void ggml_compute_forward_flash_attn_ext_grouped(")
+    caller = attention.index("static void ggml_compute_forward_flash_attn_ext_f16(")
+    call = attention.index("ggml_compute_forward_flash_attn_ext_grouped(params, dst,")
+    assert kernel < caller < call < attention.index("    if (use_split_kv_path) {")
+    assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
+    assert cb.fix_names() == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX]  # the wheel's key and stamp
 
 
 def test_a_source_without_the_lines_to_fix_is_refused_not_built_unfixed(tmp_path: Path) -> None:
