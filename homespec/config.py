@@ -110,14 +110,13 @@ class RuntimeConfig(_Strict):
     # Prefill runs at ~40-60 tokens/s on a 2-core CPU: re-reading a 1,000-token chat history
     # each turn costs ~20 s. Off only to measure what it saves.
     prefix_reuse: bool = Field(True, description="Reuse the KV cache of the shared prompt prefix")
-    # llama.cpp's own "auto" turns flash attention on for the CPU too, where it reads prompts
-    # faster but makes the passes speculation lives on slower as the history grows. On the
-    # 2-core AVX-512 Xeon (scripts/flash_attn_cost.py): prefill 104 against 98 tok/s, a 5-row
-    # verify pass after 1,000 / 2,000 / 3,000 tokens 164 / 198 / 227 against 152 / 162 / 174 ms,
-    # one-token decode even at 300 tokens and 7 % slower at 3,000; on an AVX2 build one-token
-    # decode measured 9 % slower (85.2 vs 77.7 ms). Our auto: off on a CPU, llama.cpp's choice
-    # with a GPU.
-    flash_attn: Literal["auto", "on", "off"] = Field("auto", description="Flash attention (auto: off on CPU)")
+    # On a CPU flash attention reads prompts faster (2-core AVX-512 EPYC, scripts/flash_attn_cost.py:
+    # 105.9 against 97.2 tok/s), but ggml 0.25.3 runs the passes speculation verifies (2-63 rows)
+    # one query row and head at a time: 8-35 % slower past 1,000 tokens. The wheel's
+    # cpu-fa-grouped-heads fix (llama/cpu_build.py) takes them as fast as without it (paired in one
+    # process, 1-17 rows after 300-2,000 tokens: 0.94-1.02x), so our auto is on for a CPU build
+    # that has the fix, off for one without, and llama.cpp's choice with a GPU.
+    flash_attn: Literal["auto", "on", "off"] = Field("auto", description="Flash attention (auto: on for a CPU build with the grouped kernel)")
     _flash_attn_words = field_validator("flash_attn", mode="before")(_yaml_switch)
     # Without it the AVX2 EPYC ran 8-12-row verify passes 9-20 % faster but prefill 1-10 % and
     # four parallel clients ~20 % slower (llama/kernels.py): llama.cpp's default stays.
@@ -149,13 +148,14 @@ class RuntimeConfig(_Strict):
         """The target's KV-cache element type: f16, llama.cpp's default, except in exact mode."""
         return EXACT_KV_TYPE if self.exact else "f16"
 
-    def flash_attn_for(self, n_gpu_layers: int) -> bool | None:
-        """True/False to force it, None to leave the choice to llama.cpp."""
+    def flash_attn_for(self, n_gpu_layers: int, grouped_kernel: bool = False) -> bool | None:
+        """True/False to force it, None to leave the choice to llama.cpp. grouped_kernel: the
+        installed build verifies with flash attention as fast as without (cpu_build.FA_GROUPED_FIX)."""
         if self.exact:
             return True  # the attention path whose rows do not depend on the batch (llama/kernels.py)
         if self.flash_attn != "auto":
             return self.flash_attn == "on"
-        return False if n_gpu_layers == 0 else None
+        return grouped_kernel if n_gpu_layers == 0 else None
 
 
 MIN_MEMORY_TOKENS = 1024  # a few answers of a few hundred tokens each

@@ -285,6 +285,12 @@ def read_fixes(package_dir: Path) -> list[str]:
         return []
 
 
+def has_grouped_attention() -> bool:
+    """The installed llama.cpp has FA_GROUPED_FIX: flash attention costs verify passes nothing."""
+    folder = installed_package_dir()
+    return folder is not None and FA_GROUPED_FIX in read_fixes(folder)
+
+
 def missing_flags(options: dict[str, bool], flags: set[str]) -> list[str]:
     """Flags the build needs and this CPU lacks (empty: safe to load). No flags known (not x86
     Linux): nothing can be checked, nothing is reported."""

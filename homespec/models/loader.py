@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from homespec.config import Config
 from homespec.llama import kernels
+from homespec.llama.cpu_build import has_grouped_attention
 from homespec.llama.fim import Chunk, infill_prompt
 from homespec.llama.gguf_info import check_tokenizer_compat, read_gguf_info
 from homespec.llama.runtime import Runtime, RuntimeOptions
@@ -126,7 +127,7 @@ def runtime_options(
         use_mlock=r.use_mlock,
         embeddings=embeddings,
         hidden_window=hidden_window,
-        flash_attn=r.flash_attn_for(n_gpu_layers),
+        flash_attn=r.flash_attn_for(n_gpu_layers, has_grouped_attention()),
         n_seq=slots,
         # Exact mode: the settings under which a row's logits do not depend on its batch.
         repack=not r.exact or keep_amx,

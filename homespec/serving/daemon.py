@@ -27,6 +27,7 @@ import psutil
 from homespec import __version__
 from homespec.config import Config, Mode
 from homespec.errors import UserError
+from homespec.llama.cpu_build import has_grouped_attention
 from homespec.llama.gguf_info import read_gguf_info
 from homespec.llama.runtime import Vocabulary
 from homespec.models.derived import served_draft
@@ -424,7 +425,7 @@ class Daemon:
             target_extra_ram=head_ram(cfg.resolve(cfg.models.mtp)) if cfg.models.mtp else 0,
             # The compute buffer depends on it; llama.cpp's auto (GPU) enables it where the
             # backend supports it, so only an explicit off plans for the buffer without it.
-            flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers) is not False,
+            flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers, has_grouped_attention()) is not False,
             target_kv_type=cfg.runtime.kv_type,
         )
         # Each request decoding at once has a KV sequence of n_ctx. Fewer slots are the smallest

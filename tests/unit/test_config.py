@@ -7,9 +7,10 @@ import pytest
 from homespec.config import Config, ConfigError, RuntimeConfig, load_config
 
 
-def test_flash_attention_auto_is_off_on_a_cpu_and_left_to_llama_cpp_with_a_gpu():
+def test_flash_attention_auto_is_on_for_a_cpu_build_with_the_grouped_kernel_and_left_to_llama_cpp_with_a_gpu():
     auto = RuntimeConfig()
-    assert auto.flash_attn_for(n_gpu_layers=0) is False
+    assert auto.flash_attn_for(n_gpu_layers=0, grouped_kernel=True) is True
+    assert auto.flash_attn_for(n_gpu_layers=0, grouped_kernel=False) is False  # verify passes would pay for it
     assert auto.flash_attn_for(n_gpu_layers=-1) is None
     assert RuntimeConfig(flash_attn="on").flash_attn_for(0) is True
     assert RuntimeConfig(flash_attn="off").flash_attn_for(-1) is False

@@ -61,10 +61,14 @@ def test_exact_mode_with_reference_kernels_for_decode_passes_drafts_as_far_as_th
     assert cfg.k_limit(True) + 1 > TILED_MIN_ROWS  # passes the tiled matmul would take, on reference kernels
 
 
-def test_exact_mode_loads_the_target_unpacked_with_flash_attention_a_q8_kv_cache_and_a_stream_per_sequence():
+def test_exact_mode_loads_the_target_unpacked_with_flash_attention_a_q8_kv_cache_and_a_stream_per_sequence(monkeypatch):
+    monkeypatch.setattr(loader, "has_grouped_attention", lambda: False)  # a build without the grouped kernel
     cfg = Config()
     default = runtime_options(cfg, 0)
     assert (default.repack, default.kv_type, default.flash_attn, default.kv_unified) == (True, "f16", False, False)
+    monkeypatch.setattr(loader, "has_grouped_attention", lambda: True)
+    assert runtime_options(cfg, 0).flash_attn and runtime_options(cfg, 0, draft=True).flash_attn
+    monkeypatch.setattr(loader, "has_grouped_attention", lambda: False)
     cfg.runtime.exact = True
     exact = runtime_options(cfg, 0)
     assert (exact.repack, exact.kv_type, exact.flash_attn, exact.kv_unified) == (False, "q8_0", True, False)
