@@ -38,6 +38,7 @@ it imports nothing but the standard library.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -196,6 +197,13 @@ def fix_names(fixes: tuple[tuple[str, str, str, str], ...] = WHEEL_FIXES) -> lis
     return list(dict.fromkeys(name for name, *_ in fixes))
 
 
+def fixes_key(fixes: tuple[tuple[str, str, str, str], ...] = WHEEL_FIXES) -> str:
+    """The fixes as the wheel's cache key takes them: their names and a digest of what they
+    change, so that a fix edited under the same name builds a new wheel."""
+    digest = hashlib.sha256(repr(fixes).encode()).hexdigest()[:12]
+    return " ".join([*fix_names(fixes), digest])
+
+
 def choose(flags: set[str], amx: bool = False) -> dict[str, bool]:
     """Each option on exactly when the CPU has every flag it needs (AMX only when `amx`, the
     check's result). Every option is named, ON or OFF: ggml turns several on by default."""
@@ -348,7 +356,7 @@ def _main(argv: list[str]) -> int:
     if argv[:1] == ["cmake-args"]:
         print(cmake_args(this_cpu_options()) if x86 else "")
     elif argv[:1] == ["fixes"]:
-        print(" ".join(fix_names()))
+        print(fixes_key())
     elif argv[:1] == ["wheel"] and len(argv) == 3:
         try:
             build_wheel(argv[1], Path(argv[2]))

@@ -239,6 +239,13 @@ def test_the_wheel_alone_gets_the_reference_switch_and_grouped_attention_and_its
     assert cb.fix_names() == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX]  # the wheel's key and stamp
 
 
+def test_the_cache_key_changes_when_a_fix_changes_under_the_same_name() -> None:
+    key = cb.fixes_key()
+    assert key.split()[:-1] == cb.fix_names()
+    edited = tuple((n, f, t, r + "// edited\n" if n == cb.FA_GROUPED_FIX else r) for n, f, t, r in cb.WHEEL_FIXES)
+    assert cb.fix_names(edited) == cb.fix_names() and cb.fixes_key(edited) != key
+
+
 def test_a_source_without_the_lines_to_fix_is_refused_not_built_unfixed(tmp_path: Path) -> None:
     import pytest
 
