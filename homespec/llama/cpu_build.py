@@ -294,7 +294,8 @@ def read_fixes(package_dir: Path) -> list[str]:
 
 
 def has_grouped_attention() -> bool:
-    """The installed llama.cpp has FA_GROUPED_FIX: flash attention costs verify passes nothing."""
+    """The installed llama.cpp has FA_GROUPED_FIX, with which verify passes cost about what they
+    cost without flash attention (README, "The llama.cpp build")."""
     folder = installed_package_dir()
     return folder is not None and FA_GROUPED_FIX in read_fixes(folder)
 
