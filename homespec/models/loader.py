@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from homespec.config import Config
+from homespec.config import Config, RuntimeConfig
 from homespec.llama import kernels
 from homespec.llama.cpu_build import has_grouped_attention
 from homespec.llama.fim import Chunk, infill_prompt
@@ -107,6 +107,12 @@ class ModelSet:
         self.target.close()
 
 
+def flash_attention(r: RuntimeConfig, n_gpu_layers: int) -> bool | None:
+    """runtime.flash_attn for a model with n_gpu_layers on the installed build (its `auto` reads
+    whether the build has the grouped kernel); None leaves the choice to llama.cpp."""
+    return r.flash_attn_for(n_gpu_layers, has_grouped_attention())
+
+
 def runtime_options(
     cfg: Config, n_gpu_layers: int, n_ctx: int | None = None, embeddings: bool = False, hidden_window: int = 0,
     slots: int = 1, draft: bool = False, keep_amx: bool = False, reference_decode: bool = False,
@@ -127,7 +133,7 @@ def runtime_options(
         use_mlock=r.use_mlock,
         embeddings=embeddings,
         hidden_window=hidden_window,
-        flash_attn=r.flash_attn_for(n_gpu_layers, has_grouped_attention()),
+        flash_attn=flash_attention(r, n_gpu_layers),
         n_seq=slots,
         # Exact mode: the settings under which a row's logits do not depend on its batch.
         repack=not r.exact or keep_amx,

@@ -27,12 +27,11 @@ import psutil
 from homespec import __version__
 from homespec.config import Config, Mode
 from homespec.errors import UserError
-from homespec.llama.cpu_build import has_grouped_attention
 from homespec.llama.gguf_info import read_gguf_info
 from homespec.llama.runtime import Vocabulary
 from homespec.models.derived import served_draft
 from homespec.models.fetch import resolve_model_path, state_dir
-from homespec.models.loader import ModelSet
+from homespec.models.loader import ModelSet, flash_attention
 from homespec.models.memory import LoadPlan, kv_cells, pair_footprints, plan_load, read_headroom
 from homespec.models.memory_watch import HeadroomWatcher
 from homespec.mtp.checkpoint import head_ram
@@ -425,7 +424,7 @@ class Daemon:
             target_extra_ram=head_ram(cfg.resolve(cfg.models.mtp)) if cfg.models.mtp else 0,
             # The compute buffer depends on it; llama.cpp's auto (GPU) enables it where the
             # backend supports it, so only an explicit off plans for the buffer without it.
-            flash_attn=cfg.runtime.flash_attn_for(cfg.models.target.n_gpu_layers, has_grouped_attention()) is not False,
+            flash_attn=flash_attention(cfg.runtime, cfg.models.target.n_gpu_layers) is not False,
             target_kv_type=cfg.runtime.kv_type,
         )
         # Each request decoding at once has a KV sequence of n_ctx. Fewer slots are the smallest

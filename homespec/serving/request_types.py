@@ -17,7 +17,7 @@ from pydantic import BeforeValidator, Strict
 from pydantic_core import PydanticCustomError
 
 
-def not_text_or_flag(v: Any) -> Any:
+def _not_text_or_flag(v: Any) -> Any:
     """A before-validator for an integer field: refuses a string or a boolean, which lax int
     would read as a number."""
     got = "a boolean" if isinstance(v, bool) else "a string" if isinstance(v, str) else None
@@ -29,6 +29,6 @@ def not_text_or_flag(v: Any) -> Any:
 # A JSON true or false; strict mode takes nothing else (not 0/1, not "yes").
 Flag = Annotated[bool, Strict()]
 # A JSON number without a fraction; lax int, after the check, refuses 8.5 and takes 8.0.
-Integer = Annotated[int, BeforeValidator(not_text_or_flag)]
+Integer = Annotated[int, BeforeValidator(_not_text_or_flag)]
 # A JSON number, integer or not; strict float takes an int and refuses a bool or a string.
 Number = Annotated[float, Strict()]
