@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, SpeculationConfig
+from homespec.config import Config, ModelRef, ModelsConfig, RuntimeConfig, ServerConfig, SpeculationConfig
 from homespec.serving.host import Host, build_request
 from homespec.speculation.engine import GenerationStats
 from tests.conftest import ROOT, TARGET, require
@@ -24,18 +24,35 @@ FILES = [
 QUESTIONS = [f"Return this file unchanged:\n```python\n{f}```" for f in FILES]
 
 
+# Seconds per pass over n rows: llama-bench pp1-pp17 on the 2-core AMX Xeon (issue #15), a
+# curve on which drafting together clearly pays (four 4-row drafts 52 tok/s, one 13-row copy
+# beside three plain rows 41, all plain 30).
+XEON_PASS_S = {1: 0.084, 2: 0.109, 3: 0.137, 5: 0.131, 9: 0.219, 17: 0.323}
+
+
 def test_the_same_questions_asked_again_at_once_draft_their_answers_together() -> None:
     """Asked alone first, each greedy answer is remembered (speculation.ngram.memory_tokens);
     asked again at once, the pass planned for all four holds all their drafts, within the bound
     on such a pass. (Priced one at a time, beside others' plain rows, one of them drafted and the
-    rest decoded plainly on a 2-core CPU.)"""
+    rest decoded plainly on a 2-core CPU.)
+
+    The passes are priced on a fixed curve, not this machine's: which pass pays is the cost
+    curve's call (the plan's unit tests), and on a CPU whose passes cost about the same per row
+    from 4 rows up (an AVX-512 EPYC: 1 row 36 ms, 4 rows 100-130, 16 rows 370-420), four drafts,
+    one far copy and all plain rows come within 15 % of each other, so a warm-up's noise chose
+    among them. What this test holds is the real batch drafting four remembered answers in the
+    pass the plan chose, within its bound (16 rows: prefill_chunk // 2)."""
     cfg = Config(
         models=ModelsConfig(target=ModelRef(path=require(TARGET)), draft=None),
         runtime=RuntimeConfig(n_ctx=1024, n_batch=256),
-        speculation=SpeculationConfig(k_max=32),
+        server=ServerConfig(prefill_chunk=32),
+        speculation=SpeculationConfig(k_max=16),
         base_dir=ROOT,
     )
     with Host.open(cfg, slots=len(QUESTIONS)) as host:
+        for curve in (host.controller.cost, host.controller.shared):
+            curve.set_verify(XEON_PASS_S)
+            curve.observe_verify = lambda n, seconds: None  # type: ignore[method-assign]
         prompts = [host.models.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
         req = build_request(cfg, max_tokens=64)
         passes: list[list[int]] = []  # per pass of several requests: each one's rows
