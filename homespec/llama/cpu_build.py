@@ -99,6 +99,11 @@ FA_GROUPED_FIX = "cpu-fa-grouped-heads"
 _OPS = "ggml/src/ggml-cpu/ops.cpp"
 _FA_F16 = "static void ggml_compute_forward_flash_attn_ext_f16(\n"  # the kernel goes before it
 _FA_SPLIT = "    if (use_split_kv_path) {\n"  # the dispatch goes before it
+Q6K_COLUMNS_FIX = "cpu-q6k-columns"
+_CPU_C = "ggml/src/ggml-cpu/ggml-cpu.c"
+_MUL_MAT_CHUNK = "static void ggml_compute_forward_mul_mat_one_chunk(\n"  # the kernel goes before it
+_TILED_MM = "    if (ggml_compute_forward_mul_mat_tiled(params, dst)) {\n"  # ggml's tiled matmul, which passes of 8+ rows take
+_MUL_MAT_TILES = "    // attempt to reduce false-sharing (does not seem to make a difference)\n"  # the dispatch before it
 
 # Changes to llama-cpp-python's llama.cpp only (the bench's peer, a later ggml, has no use_ref). A
 # fix may take several entries of one name.
@@ -123,6 +128,11 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # (source_fixes/flash_attn_grouped.cpp says how); the reference switch still takes ggml's own.
     (FA_GROUPED_FIX, _OPS, _FA_F16, _fix_text("flash_attn_grouped.cpp") + _FA_F16),
     (FA_GROUPED_FIX, _OPS, _FA_SPLIT, _fix_text("flash_attn_grouped_dispatch.cpp") + _FA_SPLIT),
+    # Q6_K weights against the 2-7 rows of a verify pass or of requests decoding together: each
+    # block unpacked once for all rows, every result bitwise ggml's (source_fixes/q6k_columns.c).
+    (Q6K_COLUMNS_FIX, _CPU_C, _MUL_MAT_CHUNK, _fix_text("q6k_columns.c") + _MUL_MAT_CHUNK),
+    (Q6K_COLUMNS_FIX, _CPU_C, _MUL_MAT_TILES, _fix_text("q6k_columns_dispatch.c") + _MUL_MAT_TILES),
+    (Q6K_COLUMNS_FIX, _CPU_C, _TILED_MM, _TILED_MM.replace("if (", "if (!homespec_q6k_columns_take(dst) && ")),
 )
 
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile

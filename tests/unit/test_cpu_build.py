@@ -218,14 +218,33 @@ OPS = """static void ggml_compute_forward_flash_attn_ext_f16(
 """
 
 
-def test_the_wheel_alone_gets_the_reference_switch_and_grouped_attention_and_its_cache_key_names_them(tmp_path: Path) -> None:
+# The three lines of ggml-cpu/ggml-cpu.c the Q6_K kernel, its dispatch and the tiled matmul's
+# condition are written at.
+MUL_MAT = """static void ggml_compute_forward_mul_mat_one_chunk(
+    const size_t src1_col_stride = src1_cont || src1->type != vec_dot_type ? row_size : nb11;
+
+    // attempt to reduce false-sharing (does not seem to make a difference)
+    float tmp[32];
+}
+void ggml_compute_forward_mul_mat(
+    if (ggml_compute_forward_mul_mat_tiled(params, dst)) {
+        return;
+    }
+"""
+
+WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX]
+
+
+def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_and_the_q6k_kernel_and_its_key_names_them(tmp_path: Path) -> None:
     tree = _llama_tree(tmp_path)
     cpu, ops = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp", tree / "ggml/src/ggml-cpu/ops.cpp"
+    mul_mat = tree / "ggml/src/ggml-cpu/ggml-cpu.c"
     cpu.write_text(CPU_BACKEND)
     ops.write_text(OPS)
+    mul_mat.write_text(MUL_MAT)
     assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]  # the peer's: its ggml has no use_ref
-    assert cpu.read_text() == CPU_BACKEND and ops.read_text() == OPS  # the peer stays llama.cpp as published
-    assert cb.fix_source(tree, cb.WHEEL_FIXES) == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX]
+    assert cpu.read_text() == CPU_BACKEND and ops.read_text() == OPS and mul_mat.read_text() == MUL_MAT  # as published
+    assert cb.fix_source(tree, cb.WHEEL_FIXES) == WHEEL_FIX_NAMES
     fixed = cpu.read_text()
     assert "cpu_ctx->use_ref || homespec_use_ref.load()" in fixed and f"void {cb.REFERENCE_SWITCH_SYMBOL}(bool" in fixed
     assert fixed.index("homespec_use_ref{false}") < fixed.index("homespec_use_ref.load()")  # declared before use
@@ -235,8 +254,18 @@ def test_the_wheel_alone_gets_the_reference_switch_and_grouped_attention_and_its
     caller = attention.index("static void ggml_compute_forward_flash_attn_ext_f16(")
     call = attention.index("ggml_compute_forward_flash_attn_ext_grouped(params, dst,")
     assert kernel < caller < call < attention.index("    if (use_split_kv_path) {")
+    # the Q6_K kernel and the test that picks it are defined before the chunk loop that calls the
+    # kernel (ahead of ggml's own loop) and before the tiled matmul, which they keep off its passes
+    products = mul_mat.read_text()
+    kernel = products.index("static void homespec_vec_dot_q6_K_q8_K_cols(")
+    take = products.index("static bool homespec_q6k_columns_take(")
+    chunk = products.index("static void ggml_compute_forward_mul_mat_one_chunk(")
+    call = products.index("homespec_vec_dot_q6_K_q8_K_cols((int) ne00,")
+    assert max(kernel, take) < chunk < call < products.index("    // attempt to reduce false-sharing")
+    assert "    if (!homespec_q6k_columns_take(dst) && ggml_compute_forward_mul_mat_tiled(params, dst)) {" in products
     assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
-    assert cb.fix_names() == ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX]  # the wheel's key and stamp
+    assert mul_mat.read_text() == products
+    assert cb.fix_names() == WHEEL_FIX_NAMES  # the wheel's key and stamp
 
 
 def test_the_cache_key_changes_when_a_fix_changes_under_the_same_name() -> None:

@@ -1,0 +1,78 @@
+"""Q6_K matrix products in the installed llama.cpp build, op by op: tests/unit/q6k_matmul_check.c,
+compiled against the wheel's headers and libraries, runs ggml_mul_mat of a Q6_K weight over
+passes of 1-34 rows and reports, per case, how many results differ from each row computed alone
+and the worst error against a float64 reference. No weights.
+
+The property of cpu_build's Q6K_COLUMNS_FIX: a pass of 2-32 rows (verify steps, requests decoding
+together) takes a kernel that unpacks each weight block once for all rows and gives every row
+bitwise the result of a pass of that row alone, where ggml 0.25.3 took its tiled matmul from 8 rows
+on (results that differ in the last bits). With the tiled matmul off (GGML_CPU_TILED_MM=0), every
+pass is bitwise the row alone, fix or not."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).with_name("q6k_matmul_check.c")
+FIX_ROWS = 32  # the most rows a pass may have for the fix's kernel (HOMESPEC_Q6K_COLS_MAX_ROWS)
+MAX_REL_ERR = 1e-5  # of the sum of |products|: integer sums, then a float per 256 values (2e-8 here)
+
+Case = tuple[int, int, int, int, int, float]  # rows, threads, inputs, outputs, differing results, error
+
+
+def _build(tmp: Path) -> Path:
+    spec = importlib.util.find_spec("llama_cpp")
+    assert spec and spec.origin, "llama_cpp is not installed"
+    pkg = Path(spec.origin).parent
+    lib, include = pkg / "lib", pkg.parent / "include"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not (include / "ggml-cpu.h").exists():
+        pytest.skip("needs a C compiler and the wheel's ggml headers")
+    exe = tmp / "q6k_matmul_check"
+    subprocess.run([cc, "-O2", "-o", str(exe), str(SOURCE), f"-I{include}", f"-L{lib}", "-lggml", "-lggml-base", "-lggml-cpu",
+                    "-lm", f"-Wl,-rpath,{lib}"], check=True, capture_output=True, timeout=120)
+    return exe
+
+
+def _run(exe: Path, **env: str) -> list[Case]:
+    env = {**os.environ, **env}
+    env.pop("GGML_CPU_TILED_MM_FORCE", None)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=600, env=env).stdout
+    rows = [line.split() for line in out.splitlines()]
+    return [(int(m), int(th), int(n_in), int(n_out), int(differ), float(err)) for m, th, n_in, n_out, differ, err in rows]
+
+
+@pytest.fixture(scope="module")
+def exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(tmp_path_factory.mktemp("q6k_matmul"))
+
+
+@pytest.fixture(scope="module")
+def cases(exe: Path) -> list[Case]:
+    return _run(exe, GGML_CPU_TILED_MM="1")  # ggml's default, whatever this process was given
+
+
+def test_q6k_products_match_a_float64_reference_at_every_pass_size(cases: list[Case]) -> None:
+    assert len(cases) >= 200
+    bad = [c for c in cases if not c[5] <= MAX_REL_ERR]  # NaN is bad too
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error) beyond {MAX_REL_ERR}: {bad}"
+
+
+def test_q6k_passes_of_up_to_32_rows_give_each_row_bitwise_its_result_alone(cases: list[Case]) -> None:
+    few = [c for c in cases if c[0] <= FIX_ROWS]
+    assert any(c[0] == FIX_ROWS for c in few)
+    bad = [c for c in few if c[4]]
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error) where a row's result is not its result alone: {bad}"
+
+
+def test_without_the_tiled_matmul_every_q6k_pass_gives_each_row_its_result_alone(exe: Path) -> None:
+    cases = _run(exe, GGML_CPU_TILED_MM="0")
+    assert any(c[0] > FIX_ROWS for c in cases)
+    bad = [c for c in cases if c[4] or not c[5] <= MAX_REL_ERR]
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error): {bad}"
