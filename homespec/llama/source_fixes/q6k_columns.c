@@ -29,18 +29,6 @@ static inline __m128i homespec_scale_shuffle(int i) {
     return _mm_loadu_si128((const __m128i *) k_shuffle + i);
 }
 
-// The passes this kernel takes: a Q6_K weight (2-D) against 2-32 activation rows (f32, which ggml
-// quantizes to Q8_K). ggml's tiled matmul would take those of 8+ rows; for a Q6_K weight against
-// 8-32 rows it ran 1.1-2.8x slower than this on a 2-core AVX-512 EPYC (ggml_mul_mat, the 1.5B
-// target's output layer), and the results now stay bitwise those of one row.
-#define HOMESPEC_Q6K_COLS_MAX_ROWS 32
-static bool homespec_q6k_columns_take(const struct ggml_tensor * dst) {
-    const struct ggml_tensor * w = dst->src[0];
-    const struct ggml_tensor * a = dst->src[1];
-    return w->type == GGML_TYPE_Q6_K && a->type == GGML_TYPE_F32 && w->ne[2] == 1 && w->ne[3] == 1 &&
-           a->ne[2] == 1 && a->ne[3] == 1 && a->ne[1] >= 2 && a->ne[1] <= HOMESPEC_Q6K_COLS_MAX_ROWS;
-}
-
 // s[c*bs] = the dot product of the Q6_K row vx with the Q8_K row at vy + c*by, for c < nc
 // (nc <= HOMESPEC_Q6K_COLS_MAX); n values each.
 static void homespec_vec_dot_q6_K_q8_K_cols(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
@@ -100,6 +88,23 @@ static void homespec_vec_dot_q6_K_q8_K_cols(int n, float * GGML_RESTRICT s, size
     for (int c = 0; c < nc; ++c) {
         s[c*bs] = homespec_hsum_float_8(acc[c]);
     }
+}
+
+// The passes this kernel takes: a Q6_K weight (2-D) against 2-32 activation rows (f32, which ggml
+// quantizes to Q8_K). ggml's tiled matmul would take those of 8+ rows; for a Q6_K weight against
+// 8-32 rows it ran 1.1-2.8x slower than this on a 2-core AVX-512 EPYC (ggml_mul_mat, the 1.5B
+// target's output layer), and the results now stay bitwise those of one row.
+#define HOMESPEC_Q6K_COLS_MAX_ROWS 32
+static bool homespec_q6k_columns_take(const struct ggml_tensor * dst) {
+    const struct ggml_tensor * w = dst->src[0];
+    const struct ggml_tensor * a = dst->src[1];
+    return w->type == GGML_TYPE_Q6_K && a->type == GGML_TYPE_F32 && w->ne[2] == 1 && w->ne[3] == 1 &&
+           a->ne[2] == 1 && a->ne[3] == 1 && a->ne[1] >= 2 && a->ne[1] <= HOMESPEC_Q6K_COLS_MAX_ROWS;
+}
+#else
+static bool homespec_q6k_columns_take(const struct ggml_tensor * dst) {  // (a build without AVX2: ggml's paths)
+    (void) dst;
+    return false;
 }
 #endif
 
