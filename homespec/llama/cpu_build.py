@@ -128,8 +128,9 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # (source_fixes/flash_attn_grouped.cpp says how); the reference switch still takes ggml's own.
     (FA_GROUPED_FIX, _OPS, _FA_F16, _fix_text("flash_attn_grouped.cpp") + _FA_F16),
     (FA_GROUPED_FIX, _OPS, _FA_SPLIT, _fix_text("flash_attn_grouped_dispatch.cpp") + _FA_SPLIT),
-    # Q6_K weights against the 2-7 rows of a verify pass or of requests decoding together: each
-    # block unpacked once for all rows, every result bitwise ggml's (source_fixes/q6k_columns.c).
+    # Q6_K weights against the 2-32 rows of a verify pass or of requests decoding together: each
+    # block unpacked once for all rows, every result bitwise ggml's one-row result, and ggml's
+    # tiled matmul left to passes of 33+ rows (source_fixes/q6k_columns.c).
     (Q6K_COLUMNS_FIX, _CPU_C, _MUL_MAT_CHUNK, _fix_text("q6k_columns.c") + _MUL_MAT_CHUNK),
     (Q6K_COLUMNS_FIX, _CPU_C, _MUL_MAT_TILES, _fix_text("q6k_columns_dispatch.c") + _MUL_MAT_TILES),
     (Q6K_COLUMNS_FIX, _CPU_C, _TILED_MM, _TILED_MM.replace("if (", "if (!homespec_q6k_columns_take(dst) && ")),

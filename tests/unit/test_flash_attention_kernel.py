@@ -8,12 +8,12 @@ where ggml 0.25.3's row-at-a-time kernel sums V in f16 (1-3e-3); every path stay
 
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.unit import ggml_programs
 
 SOURCE = Path(__file__).with_name("flash_attn_check.c")
 N_HEAD_KV = 2  # as flash_attn_check.c's N_HEAD_KV
@@ -22,23 +22,10 @@ ANY_PATH_MAX_ERR = 1e-2  # f16 inputs, outputs in [-1, 1]: ggml's own kernels re
 GROUPED_MAX_ERR = 1e-3
 
 
-def _build(tmp: Path) -> Path:
-    spec = importlib.util.find_spec("llama_cpp")
-    assert spec and spec.origin, "llama_cpp is not installed"
-    pkg = Path(spec.origin).parent
-    lib, include = pkg / "lib", pkg.parent / "include"
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not (include / "ggml-cpu.h").exists():
-        pytest.skip("needs a C compiler and the wheel's ggml headers")
-    exe = tmp / "flash_attn_check"
-    subprocess.run([cc, "-O2", "-o", str(exe), str(SOURCE), f"-I{include}", f"-L{lib}", "-lggml", "-lggml-base", "-lggml-cpu",
-                    "-lm", f"-Wl,-rpath,{lib}"], check=True, capture_output=True, timeout=120)
-    return exe
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, int, int, int, float]]:
-    out = subprocess.run([str(_build(tmp_path_factory.mktemp("flash_attn")))], check=True, capture_output=True, text=True, timeout=600).stdout
+    exe = ggml_programs.build(SOURCE, tmp_path_factory.mktemp("flash_attn"))
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=600).stdout
     rows = [line.split() for line in out.splitlines()]
     return [(int(r), int(kv), int(th), int(st), float(err)) for r, kv, th, st, err in rows]
 

@@ -11,33 +11,19 @@ pass is bitwise the row alone, fix or not."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.unit import ggml_programs
 
 SOURCE = Path(__file__).with_name("q6k_matmul_check.c")
 FIX_ROWS = 32  # the most rows a pass may have for the fix's kernel (HOMESPEC_Q6K_COLS_MAX_ROWS)
 MAX_REL_ERR = 1e-5  # of the sum of |products|: integer sums, then a float per 256 values (2e-8 here)
 
 Case = tuple[int, int, int, int, int, float]  # rows, threads, inputs, outputs, differing results, error
-
-
-def _build(tmp: Path) -> Path:
-    spec = importlib.util.find_spec("llama_cpp")
-    assert spec and spec.origin, "llama_cpp is not installed"
-    pkg = Path(spec.origin).parent
-    lib, include = pkg / "lib", pkg.parent / "include"
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not (include / "ggml-cpu.h").exists():
-        pytest.skip("needs a C compiler and the wheel's ggml headers")
-    exe = tmp / "q6k_matmul_check"
-    subprocess.run([cc, "-O2", "-o", str(exe), str(SOURCE), f"-I{include}", f"-L{lib}", "-lggml", "-lggml-base", "-lggml-cpu",
-                    "-lm", f"-Wl,-rpath,{lib}"], check=True, capture_output=True, timeout=120)
-    return exe
 
 
 def _run(exe: Path, **env: str) -> list[Case]:
@@ -50,7 +36,7 @@ def _run(exe: Path, **env: str) -> list[Case]:
 
 @pytest.fixture(scope="module")
 def exe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _build(tmp_path_factory.mktemp("q6k_matmul"))
+    return ggml_programs.build(SOURCE, tmp_path_factory.mktemp("q6k_matmul"))
 
 
 @pytest.fixture(scope="module")
