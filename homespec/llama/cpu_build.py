@@ -100,6 +100,9 @@ _OPS = "ggml/src/ggml-cpu/ops.cpp"
 _FA_F16 = "static void ggml_compute_forward_flash_attn_ext_f16(\n"  # the kernel goes before it
 _FA_SPLIT = "    if (use_split_kv_path) {\n"  # the dispatch goes before it
 Q6K_COLUMNS_FIX = "cpu-q6k-columns"
+# void (bool), exported by libggml-cpu: while set, Q6_K passes of 8+ rows keep ggml's tiled matmul
+# (exact mode's prompt passes, llama/kernels.py).
+Q6K_TILED_SWITCH_SYMBOL = "homespec_cpu_set_q6k_tiled_from_8"
 _CPU_C = "ggml/src/ggml-cpu/ggml-cpu.c"
 _MUL_MAT_CHUNK = "static void ggml_compute_forward_mul_mat_one_chunk(\n"  # the kernel goes before it
 _TILED_MM = "    if (ggml_compute_forward_mul_mat_tiled(params, dst)) {\n"  # ggml's tiled matmul, which passes of 8+ rows take

@@ -84,7 +84,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Final
 
-from homespec.llama.cpu_build import REFERENCE_SWITCH_SYMBOL
+from homespec.llama.cpu_build import Q6K_TILED_SWITCH_SYMBOL, REFERENCE_SWITCH_SYMBOL
 
 TILED_ENV = "GGML_CPU_TILED_MM"  # ggml-cpu/tiled/tiled.cpp: "0" turns the tiled matmul off
 TILED_MIN_ROWS = 8  # tiled.cpp ggml_tiled_min_batch: passes of this many rows or more take it
@@ -142,15 +142,17 @@ def batch_invariant_buffers(weight_buffers: Mapping[str, float]) -> bool:
 
 _reference_lock = threading.Lock()  # one pass at a time chooses the process's kernels
 _reference_switch: Callable[[bool], None] | None = None
+_q6k_tiled_switch: Callable[[bool], None] | None = None  # None: a build without cpu-q6k-columns
 _reference_looked = False
 
 
 def reference_kernels_available() -> bool:
     """Whether this process's llama.cpp can run a pass on its reference CPU kernels (built by
     `make install`, with cpu_build's switch; a wheel from elsewhere has none)."""
-    global _reference_switch, _reference_looked
+    global _reference_switch, _q6k_tiled_switch, _reference_looked
     if not _reference_looked:
-        _reference_switch = _find_reference_switch()
+        _reference_switch = _find_switch(REFERENCE_SWITCH_SYMBOL)
+        _q6k_tiled_switch = _find_switch(Q6K_TILED_SWITCH_SYMBOL)
         _reference_looked = True
     return _reference_switch is not None
 
@@ -159,16 +161,23 @@ def reference_kernels_available() -> bool:
 def pass_kernels(reference: bool) -> Iterator[None]:
     """Run the pass inside on llama.cpp's reference CPU kernels (`reference`) or on its usual ones,
     whatever another thread's pass asks for meanwhile (they take turns). Exact mode's target runs
-    every pass inside, its decode passes on the reference kernels (docstring)."""
+    every pass inside, its decode passes on the reference kernels (docstring). Its other passes
+    (prompts) leave Q6_K products of 8+ rows to ggml's tiled matmul, which gives a row the same
+    result in any such pass, where the wheel's cpu-q6k-columns would take those of up to 32 rows:
+    so a prefix read in a pass of 20 rows equals one read in a pass of 60."""
     if not reference_kernels_available():
         raise RuntimeError("this llama.cpp build has no switch for its reference kernels (`make install` builds one)")
     assert _reference_switch is not None
     with _reference_lock:
         _reference_switch(reference)
+        if _q6k_tiled_switch is not None:
+            _q6k_tiled_switch(not reference)
         try:
             yield
         finally:
             _reference_switch(False)
+            if _q6k_tiled_switch is not None:
+                _q6k_tiled_switch(False)
 
 
 def _llama_library() -> ctypes.CDLL:
@@ -181,9 +190,11 @@ def _llama_library() -> ctypes.CDLL:
     return _lib
 
 
-def _find_reference_switch() -> Callable[[bool], None] | None:
+def _find_switch(symbol: str) -> Callable[[bool], None] | None:
+    """A process-wide switch of the wheel's llama.cpp (cpu_build's fixes: ggml's use_ref for every
+    CPU backend, or the Q6_K kernel's reach), from the next pass on; None where the build lacks it."""
     try:
-        fn = getattr(_llama_library(), REFERENCE_SWITCH_SYMBOL)  # ggml's use_ref for every CPU backend, from the next pass on
+        fn = getattr(_llama_library(), symbol)
     except AttributeError:
         return None
     fn.argtypes, fn.restype = [ctypes.c_bool], None

@@ -167,6 +167,7 @@ def test_a_pass_on_reference_kernels_switches_them_off_again_even_when_it_fails(
     calls: list[bool] = []
     monkeypatch.setattr(kernels, "_reference_looked", True)
     monkeypatch.setattr(kernels, "_reference_switch", calls.append)
+    monkeypatch.setattr(kernels, "_q6k_tiled_switch", None)  # a build without cpu-q6k-columns
     with kernels.pass_kernels(reference=True):
         assert calls == [True]
     with pytest.raises(RuntimeError, match="decode failed"):
@@ -175,6 +176,25 @@ def test_a_pass_on_reference_kernels_switches_them_off_again_even_when_it_fails(
     with kernels.pass_kernels(reference=False):
         pass
     assert calls == [True, False, True, False, False, False]
+
+
+def test_exact_modes_prompt_passes_leave_q6k_products_of_8_rows_or_more_to_the_tiled_matmul(monkeypatch):
+    """A prompt pass (not on the reference kernels) keeps ggml's tiled matmul from 8 rows, whose
+    rows are the same in any pass of 8+: a prefix read in a 20-row pass equals one read in a 60-row
+    pass. A decode pass lets the Q6_K kernel take up to 32 rows (its results are the reference's)."""
+    reference: list[bool] = []
+    tiled_from_8: list[bool] = []
+    monkeypatch.setattr(kernels, "_reference_looked", True)
+    monkeypatch.setattr(kernels, "_reference_switch", reference.append)
+    monkeypatch.setattr(kernels, "_q6k_tiled_switch", tiled_from_8.append)
+    with kernels.pass_kernels(reference=False):
+        assert (reference, tiled_from_8) == ([False], [True])
+    with pytest.raises(RuntimeError, match="prefill failed"):
+        with kernels.pass_kernels(reference=False):
+            raise RuntimeError("prefill failed")
+    with kernels.pass_kernels(reference=True):
+        assert tiled_from_8[-1] is False
+    assert tiled_from_8 == [True, False, True, False, False, False]  # off again after every pass
 
 
 def test_a_build_without_the_switch_cannot_run_a_pass_on_reference_kernels(monkeypatch):

@@ -89,17 +89,33 @@ static void homespec_vec_dot_q6_K_q8_K_cols(int n, float * GGML_RESTRICT s, size
         s[c*bs] = homespec_hsum_float_8(acc[c]);
     }
 }
+#endif
 
+// Exact mode reads a prompt's rows as they come out of any pass of 8+ rows, ggml's tiled matmul
+// giving a row the same result in every such pass: a prefix borrowed or saved must equal the same
+// prefix read in a pass of another length (homespec/llama/kernels.py). Its target sets this around
+// its prompt passes, which then leave 8+ rows to the tiled matmul as ggml does.
+static atomic_bool homespec_q6k_tiled_from_8 = false;
+GGML_BACKEND_API void homespec_cpu_set_q6k_tiled_from_8(bool on);
+GGML_BACKEND_API void homespec_cpu_set_q6k_tiled_from_8(bool on) {
+    atomic_store(&homespec_q6k_tiled_from_8, on);
+}
+
+#if defined(__AVX2__)
 // The passes this kernel takes: a Q6_K weight (2-D) against 2-32 activation rows (f32, which ggml
-// quantizes to Q8_K). ggml's tiled matmul would take those of 8+ rows; for a Q6_K weight against
-// 8-32 rows it ran 1.1-2.8x slower than this on a 2-core AVX-512 EPYC (ggml_mul_mat, the 1.5B
-// target's output layer), and the results now stay bitwise those of one row.
+// quantizes to Q8_K), or 2-7 while homespec_q6k_tiled_from_8 is set. ggml's tiled matmul would take
+// those of 8+ rows; for a Q6_K weight against 8-32 rows it ran 1.1-2.8x slower than this on a 2-core
+// AVX-512 EPYC (ggml_mul_mat, the 1.5B target's output layer), and the results now stay bitwise
+// those of one row.
 #define HOMESPEC_Q6K_COLS_MAX_ROWS 32
+#define HOMESPEC_Q6K_BELOW_TILED 7  // tiled.cpp's ggml_tiled_min_batch: 8+ rows
 static bool homespec_q6k_columns_take(const struct ggml_tensor * dst) {
     const struct ggml_tensor * w = dst->src[0];
     const struct ggml_tensor * a = dst->src[1];
+    const int64_t max_rows = atomic_load_explicit(&homespec_q6k_tiled_from_8, memory_order_relaxed)
+        ? HOMESPEC_Q6K_BELOW_TILED : HOMESPEC_Q6K_COLS_MAX_ROWS;
     return w->type == GGML_TYPE_Q6_K && a->type == GGML_TYPE_F32 && w->ne[2] == 1 && w->ne[3] == 1 &&
-           a->ne[2] == 1 && a->ne[3] == 1 && a->ne[1] >= 2 && a->ne[1] <= HOMESPEC_Q6K_COLS_MAX_ROWS;
+           a->ne[2] == 1 && a->ne[3] == 1 && a->ne[1] >= 2 && a->ne[1] <= max_rows;
 }
 #else
 static bool homespec_q6k_columns_take(const struct ggml_tensor * dst) {  // (a build without AVX2: ggml's paths)
