@@ -164,7 +164,9 @@ def pass_kernels(reference: bool) -> Iterator[None]:
     every pass inside, its decode passes on the reference kernels (docstring). Its other passes
     (prompts) leave Q6_K products of 8+ rows to ggml's tiled matmul, which gives a row the same
     result in any such pass, where the wheel's cpu-q6k-columns would take those of up to 32 rows:
-    so a prefix read in a pass of 20 rows equals one read in a pass of 60."""
+    so a prefix read in a pass of 20 rows equals one read in a pass of 60. (Every thread of a
+    matrix product reads that switch, so no other graph may compute while it changes: homespec
+    runs all passes on one thread, the daemon's worker.)"""
     if not reference_kernels_available():
         raise RuntimeError("this llama.cpp build has no switch for its reference kernels (`make install` builds one)")
     assert _reference_switch is not None
