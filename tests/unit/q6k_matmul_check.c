@@ -4,13 +4,18 @@
 // 2 shapes, 1-3 threads. tests/unit/test_q6k_matmul_kernel.py compiles and runs it, with and
 // without ggml's tiled matmul (GGML_CPU_TILED_MM), which takes passes of 8+ rows by default.
 // Prints per case: rows, threads, n_in, n_out, results that differ from the row alone, worst
-// relative error.
+// relative error, results that differ from the same row in the pass of all 34 rows. With the
+// argument "tiled-from-8" it first sets cpu-q6k-columns' switch for exact mode's prompt passes
+// (exit status 2 where the build has no such switch).
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "ggml.h"
 #include "ggml-cpu.h"
+
+// cpu-q6k-columns' switch (homespec/llama/kernels.py), weak: a build without the fix lacks it
+__attribute__((weak)) void homespec_cpu_set_q6k_tiled_from_8(bool on);
 
 static float frand(unsigned * s) { *s = *s * 1103515245u + 12345u; return ((*s >> 8) & 0xffff) / 32768.0f - 1.0f; }
 
@@ -30,8 +35,12 @@ static void mul_mat(const void * wq, int n_in, int n_out, const float * x, int m
     ggml_free(ctx);
 }
 
-int main(void) {
+int main(int argc, char ** argv) {
     ggml_cpu_init();
+    if (argc > 1 && strcmp(argv[1], "tiled-from-8") == 0) {
+        if (!homespec_cpu_set_q6k_tiled_from_8) return 2;
+        homespec_cpu_set_q6k_tiled_from_8(true);
+    }
     const int shapes[][2] = { { 1536, 200 }, { 512, 37 } };  // (n_in, n_out): a model's and a ragged one
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int n_in = shapes[si][0], n_out = shapes[si][1];
@@ -60,15 +69,18 @@ int main(void) {
         float * alone = malloc(sizeof(float) * (size_t) n_out * m_max);  // [m_max, n_out]: each row by itself
         for (int r = 0; r < m_max; r++) mul_mat(wq, n_in, n_out, x + (size_t) r * n_in, 1, 1, alone + (size_t) r * n_out);
         float * out = malloc(sizeof(float) * (size_t) n_out * m_max);
+        float * widest = malloc(sizeof(float) * (size_t) n_out * m_max);  // [m_max, n_out]: all rows in one pass
         for (int m = 1; m <= m_max; m++)
         for (int th = 1; th <= 3; th++) {
+            mul_mat(wq, n_in, n_out, x, m_max, th, widest);
             mul_mat(wq, n_in, n_out, x, m, th, out);
-            int differ = 0;
+            int differ = 0, differ_widest = 0;
             double worst = 0.0;
             for (int r = 0; r < m; r++)
             for (int o = 0; o < n_out; o++) {
                 const float got = out[(size_t) r * n_out + o];
                 differ += memcmp(&got, &alone[(size_t) r * n_out + o], sizeof(float)) != 0;
+                differ_widest += memcmp(&got, &widest[(size_t) r * n_out + o], sizeof(float)) != 0;
                 double ref = 0.0, mag = 0.0;
                 for (int i = 0; i < n_in; i++) {
                     const double p = (double) wd[(size_t) o * n_in + i] * xd[(size_t) r * n_in + i];
@@ -78,9 +90,9 @@ int main(void) {
                 const double err = fabs(got - ref) / (mag > 0 ? mag : 1.0);
                 if (!(err <= worst)) worst = err;  // NaN stays
             }
-            printf("%d %d %d %d %d %.3g\n", m, th, n_in, n_out, differ, worst);
+            printf("%d %d %d %d %d %.3g %d\n", m, th, n_in, n_out, differ, worst, differ_widest);
         }
-        free(wf); free(wq); free(wd); free(x); free(xq); free(xd); free(alone); free(out);
+        free(wf); free(wq); free(wd); free(x); free(xq); free(xd); free(alone); free(out); free(widest);
     }
     return 0;
 }

@@ -7,7 +7,8 @@ The property of cpu_build's Q6K_COLUMNS_FIX: a pass of 2-32 rows (verify steps, 
 together) takes a kernel that unpacks each weight block once for all rows and gives every row
 bitwise the result of a pass of that row alone, where ggml 0.25.3 took its tiled matmul from 8 rows
 on (results that differ in the last bits). With the tiled matmul off (GGML_CPU_TILED_MM=0), every
-pass is bitwise the row alone, fix or not."""
+pass is bitwise the row alone, fix or not. Exact mode's switch (kernels.pass_kernels, for its
+prompt passes) gives passes of 8+ rows back to the tiled matmul."""
 
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ SOURCE = Path(__file__).with_name("q6k_matmul_check.c")
 FIX_ROWS = 32  # the most rows a pass may have for the fix's kernel (HOMESPEC_Q6K_COLS_MAX_ROWS)
 MAX_REL_ERR = 1e-5  # of the sum of |products|: integer sums, then a float per 256 values (2e-8 here)
 
-Case = tuple[int, int, int, int, int, float]  # rows, threads, inputs, outputs, differing results, error
+# rows, threads, inputs, outputs, results that differ from the row alone, error, results that differ
+# from the same row in the pass of all 34 rows (ggml's tiled matmul)
+Case = tuple[int, int, int, int, int, float, int]
 
 
-def _run(exe: Path, **env: str) -> list[Case]:
+def _run(exe: Path, *args: str, **env: str) -> list[Case]:
     env = {**os.environ, **env}
     env.pop("GGML_CPU_TILED_MM_FORCE", None)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=600, env=env).stdout
+    out = subprocess.run([str(exe), *args], check=True, capture_output=True, text=True, timeout=600, env=env).stdout
     rows = [line.split() for line in out.splitlines()]
-    return [(int(m), int(th), int(n_in), int(n_out), int(differ), float(err)) for m, th, n_in, n_out, differ, err in rows]
+    return [(int(m), int(th), int(n_in), int(n_out), int(differ), float(err), int(widest))
+            for m, th, n_in, n_out, differ, err, widest in rows]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def cases(exe: Path) -> list[Case]:
 def test_q6k_products_match_a_float64_reference_at_every_pass_size(cases: list[Case]) -> None:
     assert len(cases) >= 200
     bad = [c for c in cases if not c[5] <= MAX_REL_ERR]  # NaN is bad too
-    assert not bad, f"(rows, threads, inputs, outputs, differing, error) beyond {MAX_REL_ERR}: {bad}"
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error, differing from 34 rows) beyond {MAX_REL_ERR}: {bad}"
 
 
 def test_q6k_passes_of_up_to_32_rows_give_each_row_bitwise_its_result_alone(cases: list[Case]) -> None:
@@ -59,11 +63,21 @@ def test_q6k_passes_of_up_to_32_rows_give_each_row_bitwise_its_result_alone(case
     few = [c for c in cases if c[0] <= FIX_ROWS]
     assert any(c[0] == FIX_ROWS for c in few)
     bad = [c for c in few if c[4]]
-    assert not bad, f"(rows, threads, inputs, outputs, differing, error) where a row's result is not its result alone: {bad}"
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error, differing from 34 rows) where a row's result is not its result alone: {bad}"
 
 
 def test_without_the_tiled_matmul_every_q6k_pass_gives_each_row_its_result_alone(exe: Path) -> None:
     cases = _run(exe, GGML_CPU_TILED_MM="0")
     assert any(c[0] > FIX_ROWS for c in cases)
     bad = [c for c in cases if c[4] or not c[5] <= MAX_REL_ERR]
-    assert not bad, f"(rows, threads, inputs, outputs, differing, error): {bad}"
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error, differing from 34 rows): {bad}"
+
+
+def test_with_exact_modes_switch_q6k_rows_of_passes_of_8_or_more_come_out_as_in_any_such_pass(exe: Path) -> None:
+    """Exact mode's prompt passes (kernels.pass_kernels) set the fix's switch: passes of 8+ rows then
+    take ggml's tiled matmul, which gives a row the same result in any of them (a prefix read in a
+    pass of 20 rows equals one read in a pass of 60), and 2-7 rows still the kernel's."""
+    cases = _run(exe, "tiled-from-8", GGML_CPU_TILED_MM="1")
+    assert any(c[0] == 8 for c in cases)
+    bad = [c for c in cases if (c[0] >= 8 and c[6]) or (c[0] < 8 and c[4]) or not c[5] <= MAX_REL_ERR]
+    assert not bad, f"(rows, threads, inputs, outputs, differing, error, differing from 34 rows): {bad}"
