@@ -10,8 +10,9 @@ CONFIG ?= config.yaml
 # built for the CPU it runs on: homespec/llama/cpu_build.py reads /proc/cpuinfo and names every x86
 # kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX where a tile check passes, unless
 # HOMESPEC_AMX=off), and changes llama.cpp's source before building it (its `fixes`: a line GCC 12
-# miscompiles, Q6_K weights kept out of AMX, where they decode slower, and a process-wide switch
-# for ggml's reference kernels, which exact mode's verify passes take).
+# miscompiles, Q6_K weights kept out of AMX, where they decode slower, a process-wide switch for
+# ggml's reference kernels, which exact mode's verify passes take, flash attention and Q6_K
+# products that cost verify passes less: cpu_build.py says how).
 # The wheel is kept in a folder named after the version, the options and the fixes (their names and
 # a digest of what they change: cpu_build.py fixes), never in pip's
 # cache, which is keyed by version only and would hand a wheel built for one CPU to another that

@@ -27,10 +27,16 @@ buffer; with it, in one process per placement taking turns, prompts read as fast
 AMX and one-token steps as fast as without it (README, "The llama.cpp build"), so AMX is on by
 default.
 
-One more change is the wheel's alone (`WHEEL_FIXES`): ggml switches its reference kernels (no
-tiled matmul, no split flash attention, no fused ops) per CPU backend, which llama.cpp does not
-hand out; a process-wide switch beside it lets exact mode run its verify passes on them, pass by
-pass (llama/kernels.py). The bench's peer, a later ggml without that switch, is built without it.
+Three more changes are the wheel's alone (`WHEEL_FIXES`); the bench's peer, a later ggml, is built
+as published:
+- ggml switches its reference kernels (no tiled matmul, no split flash attention, no fused ops)
+  per CPU backend, which llama.cpp does not hand out; a process-wide switch beside it lets exact
+  mode run its verify passes on them, pass by pass (llama/kernels.py).
+- flash attention for passes of fewer than 64 query rows takes the query heads that share a KV
+  head in one tile (source_fixes/flash_attn_grouped.cpp), so verify passes cost no more with it.
+- Q6_K products over 2-32 rows unpack each weight block once for all rows, each row's result
+  bitwise its one-row result (source_fixes/q6k_columns.c), with a switch for exact mode's prompt
+  passes (llama/kernels.py).
 
 This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
 it imports nothing but the standard library.
