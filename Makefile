@@ -11,7 +11,7 @@ CONFIG ?= config.yaml
 # kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX where a tile check passes, unless
 # HOMESPEC_AMX=off), and changes llama.cpp's source before building it (its `fixes`: a line GCC 12
 # miscompiles, Q6_K weights kept out of AMX, where they decode slower, a process-wide switch for
-# ggml's reference kernels, which exact mode's verify passes take, flash attention and Q6_K
+# ggml's reference kernels, which exact mode's verify passes take, flash attention, Q6_K and Q4_K
 # products that cost verify passes less: cpu_build.py says how).
 # The wheel is kept in a folder named after the version, the options and the fixes (their names and
 # a digest of what they change: cpu_build.py fixes), never in pip's

@@ -232,18 +232,32 @@ void ggml_compute_forward_mul_mat(
     }
 """
 
-WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX]
+# The two function heads of ggml-cpu/arch/x86/repack.cpp the Q4_K kernels and their dispatches are
+# written at.
+_Q4K_ARGS = "(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int nr, int nc) {"
+REPACK = f"""void ggml_gemv_q4_K_8x8_q8_K{_Q4K_ARGS}
+    const int qk = QK_K;
+}}
+void ggml_gemm_q4_K_8x8_q8_K{_Q4K_ARGS}
+    const int qk = QK_K;
+}}
+"""
+
+WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX, cb.Q4K_VNNI_FIX]
 
 
-def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_and_the_q6k_kernel_and_its_key_names_them(tmp_path: Path) -> None:
+def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_and_the_q6k_and_q4k_kernels_and_its_key_names_them(tmp_path: Path) -> None:
     tree = _llama_tree(tmp_path)
     cpu, ops = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp", tree / "ggml/src/ggml-cpu/ops.cpp"
-    mul_mat = tree / "ggml/src/ggml-cpu/ggml-cpu.c"
+    mul_mat, repack = tree / "ggml/src/ggml-cpu/ggml-cpu.c", tree / "ggml/src/ggml-cpu/arch/x86/repack.cpp"
     cpu.write_text(CPU_BACKEND)
     ops.write_text(OPS)
     mul_mat.write_text(MUL_MAT)
+    repack.parent.mkdir(parents=True)
+    repack.write_text(REPACK)
     assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]  # the peer's: its ggml has no use_ref
     assert cpu.read_text() == CPU_BACKEND and ops.read_text() == OPS and mul_mat.read_text() == MUL_MAT  # as published
+    assert repack.read_text() == REPACK
     assert cb.fix_source(tree, cb.WHEEL_FIXES) == WHEEL_FIX_NAMES
     fixed = cpu.read_text()
     assert "cpu_ctx->use_ref || homespec_use_ref.load()" in fixed and f"void {cb.REFERENCE_SWITCH_SYMBOL}(bool" in fixed
@@ -263,8 +277,17 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_and_the_q6k
     call = products.index("homespec_vec_dot_q6_K_q8_K_cols((int) ne00,")
     assert max(kernel, take) < chunk < call < products.index("    // attempt to reduce false-sharing")
     assert "    if (!homespec_q6k_columns_take(dst) && ggml_compute_forward_mul_mat_tiled(params, dst)) {" in products
+    # the Q4_K kernels are defined before ggml's gemv, whose first statement hands one row to the
+    # gemv kernel, and ggml's gemm hands its rows to the gemm kernel first
+    q4k = repack.read_text()
+    gemv, gemm = q4k.index("void ggml_gemv_q4_K_8x8_q8_K("), q4k.index("void ggml_gemm_q4_K_8x8_q8_K(")
+    kernels = [q4k.index("static void homespec_gemv_q4_K_8x8_q8_K_vnni("), q4k.index("static void homespec_gemm_q4_K_8x8_q8_K_vnni(")]
+    gemv_call = q4k.index("homespec_gemv_q4_K_8x8_q8_K_vnni(n, s, vx, vy, nc);")
+    gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_vnni(n, s, bs, vx, vy, nr, nc);")
+    assert max(kernels) < gemv < gemv_call < q4k.index("    const int qk = QK_K;") < gemm < gemm_call < q4k.rindex("    const int qk = QK_K;")
+    assert f"bool {cb.Q4K_VNNI_SWITCH_SYMBOL}(bool on) {{" in q4k
     assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
-    assert mul_mat.read_text() == products
+    assert mul_mat.read_text() == products and repack.read_text() == q4k
     assert cb.fix_names() == WHEEL_FIX_NAMES  # the wheel's key and stamp
 
 

@@ -1,0 +1,197 @@
+// homespec (cpu_build.py, Q4K_VNNI_FIX): ggml's repacked Q4_K weights (block_q4_Kx8) against rows
+// of activations in fours (block_q8_Kx4) and against one row (block_q8_K), with AVX-512 VNNI.
+//
+// ggml 0.25.3's gemm for this layout multiplies with AVX2's maddubs, then widens, shuffles and
+// adds the 16-bit products of every row; on a 2-core EPYC a 4-row product cost as much as four
+// one-row products (perf, 2026-12-06), so the first rows of every verify pass paid full price. Here
+// the weights of two column groups are unpacked once per 64 values, a column in each 32-bit lane,
+// and each row adds its products with vpdpbusd straight into 32-bit sums, four bytes of its
+// activations broadcast from memory.
+//
+// Every result is bitwise ggml's: the integer sums are exact on both paths (ggml's 16-bit partial
+// sums hold at most 16 products of 15 x 127), and the float steps are ggml's, in its order: per
+// pair of sub-blocks, sum x (column d x row d) into one accumulator and min-sum x (column dmin x
+// row d) into another, one fused multiply-add each, their difference stored at the end.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HOMESPEC_Q4K_VNNI 1
+#include <atomic>
+static std::atomic<bool> homespec_q4k_vnni{true};
+
+// Eight 6-bit scales then eight 6-bit mins, one per column, from the 12 bytes make_block_q4_Kx8
+// packs them in (ggml's own decode, as its gemm does it).
+static inline __m128i homespec_q4k_scales_mins(const uint8_t * packed) {
+    uint32_t u[4];
+    memcpy(u, packed, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t aux = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3f;
+    return _mm_loadu_si128((const __m128i *) u);
+}
+
+// Rows in fours (nr % 4 == 0), columns in groups of 8 (nc % 8 == 0), two groups at a time: s[row*bs
+// + col] as ggml_gemm_q4_K_8x8_q8_K writes it.
+static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
+                                             const void * GGML_RESTRICT vy, int nr, int nc) {
+    const int nb = n / QK_K;  // super-blocks of 256 values per row
+    const block_q4_Kx8 * b_start = (const block_q4_Kx8 *) vx;
+    const block_q8_Kx4 * a_start = (const block_q8_Kx4 *) vy;
+    const int ngroups = nc / 8;
+    // A load of 64 weight bytes holds 8 columns x 8 values, two 32-bit lanes per column; these
+    // gather the first (even) and second (odd) lane of each column of two groups into 16 lanes.
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+
+    for (int y = 0; y < nr / 4; y++) {
+        const block_q8_Kx4 * a = a_start + (size_t) y * nb;
+        for (int x = 0; x < ngroups; x += 2) {
+            const bool pair = x + 1 < ngroups;  // an odd last group runs beside itself, half stored
+            const block_q4_Kx8 * b0 = b_start + (size_t) x * nb;
+            const block_q4_Kx8 * b1 = pair ? b0 + nb : b0;
+            __m512 acc[4], acc_min[4];  // [row] x 16 columns
+            for (int r = 0; r < 4; r++) {
+                acc[r] = _mm512_setzero_ps();
+                acc_min[r] = _mm512_setzero_ps();
+            }
+            for (int ib = 0; ib < nb; ib++) {
+                const __m512 col_d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].d)), _mm_loadu_si128((const __m128i *) b1[ib].d), 1));
+                const __m512 col_dmin = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].dmin)), _mm_loadu_si128((const __m128i *) b1[ib].dmin), 1));
+                __m512 dd[4], dd_min[4];  // [row] x 16 columns: column scale x row scale, as ggml multiplies them
+                for (int r = 0; r < 4; r++) {
+                    dd[r] = _mm512_mul_ps(col_d, _mm512_set1_ps(a[ib].d[r]));
+                    dd_min[r] = _mm512_mul_ps(col_dmin, _mm512_set1_ps(a[ib].d[r]));
+                }
+                for (int sb = 0; sb < QK_K / 64; sb++) {  // a pair of 32-value sub-blocks: low nibbles, high nibbles
+                    const __m128i sm0_lo = homespec_q4k_scales_mins(b0[ib].scales + 24 * sb);
+                    const __m128i sm1_lo = homespec_q4k_scales_mins(b1[ib].scales + 24 * sb);
+                    const __m128i sm0_hi = homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb);
+                    const __m128i sm1_hi = homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb);
+                    const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm0_lo, sm1_lo));  // [16 columns]
+                    const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm0_hi, sm1_hi));
+                    const __m128i min_lo = _mm_unpackhi_epi64(sm0_lo, sm1_lo);  // [16 columns] bytes
+                    const __m128i min_hi = _mm_unpackhi_epi64(sm0_hi, sm1_hi);
+                    // 16-bit pairs (low sub-block's min, high sub-block's min), one per column lane
+                    const __m512i mins = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
+                        _mm256_castsi128_si256(_mm_unpacklo_epi8(min_lo, min_hi)), _mm_unpackhi_epi8(min_lo, min_hi), 1));
+
+                    __m512i w_lo[8], w_hi[8];  // [4 x 8 values: first or second four] x 16 columns x 4 bytes
+                    const uint8_t * q0 = b0[ib].qs + 256 * sb;
+                    const uint8_t * q1 = b1[ib].qs + 256 * sb;
+                    for (int q = 0; q < 4; q++) {
+                        const __m512i raw0 = _mm512_loadu_si512((const void *) (q0 + 64 * q));
+                        const __m512i raw1 = _mm512_loadu_si512((const void *) (q1 + 64 * q));
+                        const __m512i first = _mm512_permutex2var_epi32(raw0, even, raw1);
+                        const __m512i second = _mm512_permutex2var_epi32(raw0, odd, raw1);
+                        w_lo[2 * q] = _mm512_and_si512(first, m4);
+                        w_lo[2 * q + 1] = _mm512_and_si512(second, m4);
+                        w_hi[2 * q] = _mm512_and_si512(_mm512_srli_epi16(first, 4), m4);
+                        w_hi[2 * q + 1] = _mm512_and_si512(_mm512_srli_epi16(second, 4), m4);
+                    }
+                    for (int r = 0; r < 4; r++) {
+                        // Row r's value k of this super-block sits at byte ((k/8)*4 + r)*8 + k%8.
+                        const int8_t * qa_lo = a[ib].qs + (8 * sb * 4 + r) * 8;        // k = 64 sb + ...
+                        const int8_t * qa_hi = a[ib].qs + ((8 * sb + 4) * 4 + r) * 8;  // k = 64 sb + 32 + ...
+                        __m512i dot_lo = _mm512_setzero_si512();  // [16 columns] int32
+                        __m512i dot_hi = _mm512_setzero_si512();
+                        for (int q = 0; q < 4; q++) {
+                            int32_t a_lo[2], a_hi[2];
+                            memcpy(a_lo, qa_lo + 32 * q, 8);
+                            memcpy(a_hi, qa_hi + 32 * q, 8);
+                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q], _mm512_set1_epi32(a_lo[0]));
+                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q + 1], _mm512_set1_epi32(a_lo[1]));
+                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q], _mm512_set1_epi32(a_hi[0]));
+                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q + 1], _mm512_set1_epi32(a_hi[1]));
+                        }
+                        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(dot_lo, scale_lo), _mm512_mullo_epi32(dot_hi, scale_hi));
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd[r], acc[r]);
+
+                        // The row's sums over each 32-value sub-block, from its four 16-value sums
+                        const int16_t * bsums = a[ib].bsums + 16 * sb + 4 * r;
+                        const uint32_t bsum_pair = (uint16_t) (bsums[0] + bsums[1]) | ((uint32_t) (uint16_t) (bsums[2] + bsums[3]) << 16);
+                        const __m512i imin = _mm512_madd_epi16(_mm512_set1_epi32((int32_t) bsum_pair), mins);
+                        acc_min[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), dd_min[r], acc_min[r]);
+                    }
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                float * out = s + (size_t) (y * 4 + r) * bs + (size_t) x * 8;
+                _mm512_mask_storeu_ps(out, pair ? (__mmask16) 0xFFFF : (__mmask16) 0x00FF, _mm512_sub_ps(acc[r], acc_min[r]));
+            }
+        }
+    }
+}
+
+// One row (block_q8_K) against the same weights, 8 columns at a time (ggml calls it with nr == 1).
+// Bitwise ggml's gemv too: exact integer sums per super-block, then one fused multiply-add each for
+// the sums and the mins, as its AVX2 gemv does.
+static void homespec_gemv_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx,
+                                             const void * GGML_RESTRICT vy, int nc) {
+    const int nb = n / QK_K;  // super-blocks of 256 values
+    const block_q4_Kx8 * b_start = (const block_q4_Kx8 *) vx;
+    const block_q8_K * a = (const block_q8_K *) vy;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    // A load of 64 weight bytes holds 8 columns x 8 values, two 32-bit lanes per column:
+    // the sums of a column's two lanes, first lanes then second lanes
+    const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int x = 0; x < nc / 8; x++) {
+        const block_q4_Kx8 * b = b_start + (size_t) x * nb;
+        __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();  // [8 columns]
+        for (int ib = 0; ib < nb; ib++) {
+            __m512i isum = _mm512_setzero_si512();  // [8 columns x 2 lanes] int32, exact
+            __m256i imin = _mm256_setzero_si256();  // [8 columns] int32, exact
+            for (int sb = 0; sb < QK_K / 64; sb++) {
+                const __m128i sm_lo = homespec_q4k_scales_mins(b[ib].scales + 24 * sb);
+                const __m128i sm_hi = homespec_q4k_scales_mins(b[ib].scales + 12 + 24 * sb);
+                // each column's scale in both of its lanes
+                const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm_lo, sm_lo));
+                const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm_hi, sm_hi));
+                // 16-bit pairs (low sub-block's min, high sub-block's min) per column
+                const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm_lo, sm_hi));
+                const int32_t bsum_pair = (int32_t) ((uint16_t) (a[ib].bsums[4 * sb] + a[ib].bsums[4 * sb + 1]) |
+                                                     ((uint32_t) (uint16_t) (a[ib].bsums[4 * sb + 2] + a[ib].bsums[4 * sb + 3]) << 16));
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins, _mm256_set1_epi32(bsum_pair)));
+
+                const uint8_t * q = b[ib].qs + 256 * sb;
+                const int8_t * qa = a[ib].qs + 64 * sb;  // k = 64 sb + ...: low nibbles, then +32 high
+                __m512i dot_lo = _mm512_setzero_si512(), dot_hi = _mm512_setzero_si512();
+                for (int j = 0; j < 4; j++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *) (q + 64 * j));
+                    int64_t a_lo, a_hi;
+                    memcpy(&a_lo, qa + 8 * j, 8);
+                    memcpy(&a_hi, qa + 32 + 8 * j, 8);
+                    dot_lo = _mm512_dpbusd_epi32(dot_lo, _mm512_and_si512(raw, m4), _mm512_set1_epi64(a_lo));
+                    dot_hi = _mm512_dpbusd_epi32(dot_hi, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), _mm512_set1_epi64(a_hi));
+                }
+                isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(dot_lo, scale_lo), _mm512_mullo_epi32(dot_hi, scale_hi)));
+            }
+            const __m512i split = _mm512_permutexvar_epi32(pairs, isum);
+            const __m256i col_sum = _mm256_add_epi32(_mm512_castsi512_si256(split), _mm512_extracti64x4_epi64(split, 1));
+            const __m256 row_d = _mm256_set1_ps(a[ib].d);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(col_sum),
+                                  _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b[ib].d)), row_d), acc);
+            acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin),
+                                      _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b[ib].dmin)), row_d), acc_min);
+        }
+        _mm256_storeu_ps(s + (size_t) x * 8, _mm256_sub_ps(acc, acc_min));
+    }
+}
+#endif
+
+// bool (bool): ggml's own gemm and gemv while off, for the op-level check and paired timing (default
+// on); returns whether this build has the kernels at all (AVX-512 with VNNI), the switch's effect.
+extern "C" {
+GGML_BACKEND_API bool homespec_cpu_set_q4k_vnni(bool on);
+GGML_BACKEND_API bool homespec_cpu_set_q4k_vnni(bool on) {
+#if defined(HOMESPEC_Q4K_VNNI)
+    homespec_q4k_vnni.store(on);
+    return true;
+#else
+    (void) on;
+    return false;
+#endif
+}
+}

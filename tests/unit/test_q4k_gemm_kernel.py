@@ -1,0 +1,66 @@
+"""Repacked Q4_K products in the installed llama.cpp build: tests/unit/q4k_gemm_check.c, compiled
+against the wheel's headers and libraries, calls ggml's exported gemm (activation rows in fours)
+and gemv (one row) of the q4_K_8x8 layout, the layout every Q4_K weight of the target takes where
+weights are repacked, with cpu_build's Q4K_VNNI_FIX switched on and off, and ggml's scalar versions
+of both. No weights.
+
+The fix's property: where the build has AVX-512 VNNI, its kernels give every result bitwise what
+ggml's own code gives (so nothing a model says changes), within the accuracy of ggml's scalar
+code."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from homespec.llama import cpu_build
+from tests.unit import ggml_programs
+
+SOURCE = Path(__file__).with_name("q4k_gemm_check.c")
+MAX_REL_ERR = 1e-5  # of the case's largest |result|: exact integer sums, float steps per 64 values (5e-7 here)
+VNNI_OPTIONS = ("GGML_AVX512", "GGML_AVX512_VNNI")  # what the fix's kernels are compiled under
+
+# rows (1: the gemv), inputs, outputs, results that differ between the switch on and off, error
+# with the switch on and off
+Case = tuple[int, int, int, int, float, float]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Case]]:
+    exe = ggml_programs.build(SOURCE, tmp_path_factory.mktemp("q4k_gemm"))
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=300).stdout.splitlines()
+    assert lines[0].startswith("switch ")
+    cases = [(int(m), int(n_in), int(n_out), int(differ), float(on), float(off))
+             for m, n_in, n_out, differ, on, off in (line.split() for line in lines[1:])]
+    return lines[0], cases
+
+
+def _vnni_build() -> bool | None:
+    folder = cpu_build.installed_package_dir()
+    options = cpu_build.read_stamp(folder) if folder is not None else None
+    return None if options is None else all(options.get(o) for o in VNNI_OPTIONS)
+
+
+def test_the_wheel_has_the_vnni_kernels_exactly_where_it_was_built_for_vnni(run: tuple[str, list[Case]]) -> None:
+    switch, _ = run
+    vnni = _vnni_build()
+    if vnni is None:
+        pytest.skip("llama_cpp was not installed by `make install` (no stamp)")
+    assert switch == f"switch 1 {int(vnni)}", f"{cpu_build.Q4K_VNNI_SWITCH_SYMBOL}: {switch!r} in a build with VNNI {vnni}"
+
+
+def test_q4k_products_match_ggmls_scalar_code_at_every_row_count(run: tuple[str, list[Case]]) -> None:
+    _, cases = run
+    assert {c[0] for c in cases} == {1, 4, 8, 12, 16, 20, 32, 36} and len(cases) == 16
+    bad = [c for c in cases if not (c[4] <= MAX_REL_ERR and c[5] <= MAX_REL_ERR)]  # NaN is bad too
+    assert not bad, f"(rows, inputs, outputs, differing, error on, error off) beyond {MAX_REL_ERR}: {bad}"
+
+
+def test_the_vnni_kernels_give_every_q4k_result_bitwise_as_ggmls_own_code(run: tuple[str, list[Case]]) -> None:
+    switch, cases = run
+    if switch != "switch 1 1":
+        pytest.skip("a build without the fix's kernels (no AVX-512 VNNI) runs ggml's code, switch or not")
+    bad = [c for c in cases if c[3]]
+    assert not bad, f"(rows, inputs, outputs, differing, error on, error off) where the switch changes results: {bad}"
