@@ -30,6 +30,14 @@ static inline __m128i homespec_q4k_scales_mins(const uint8_t * packed) {
     return _mm_loadu_si128((const __m128i *) u);
 }
 
+// Four activation bytes in every 32-bit lane, read as one load that vpdpbusd can take as its
+// broadcast operand (a 64-bit load split in registers cost a GPR-to-vector move per product).
+static inline __m512i homespec_bcast4(const int8_t * p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
 // Rows in fours (nr % 4 == 0), columns in groups of 8 (nc % 8 == 0), two groups at a time: s[row*bs
 // + col] as ggml_gemm_q4_K_8x8_q8_K writes it.
 static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
@@ -98,13 +106,10 @@ static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
                         __m512i dot_lo = _mm512_setzero_si512();  // [16 columns] int32
                         __m512i dot_hi = _mm512_setzero_si512();
                         for (int q = 0; q < 4; q++) {
-                            int32_t a_lo[2], a_hi[2];
-                            memcpy(a_lo, qa_lo + 32 * q, 8);
-                            memcpy(a_hi, qa_hi + 32 * q, 8);
-                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q], _mm512_set1_epi32(a_lo[0]));
-                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q + 1], _mm512_set1_epi32(a_lo[1]));
-                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q], _mm512_set1_epi32(a_hi[0]));
-                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q + 1], _mm512_set1_epi32(a_hi[1]));
+                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q], homespec_bcast4(qa_lo + 32 * q));
+                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q + 1], homespec_bcast4(qa_lo + 32 * q + 4));
+                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q], homespec_bcast4(qa_hi + 32 * q));
+                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q + 1], homespec_bcast4(qa_hi + 32 * q + 4));
                         }
                         const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(dot_lo, scale_lo), _mm512_mullo_epi32(dot_hi, scale_hi));
                         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd[r], acc[r]);
