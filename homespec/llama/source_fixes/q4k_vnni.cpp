@@ -30,8 +30,9 @@ static inline __m128i homespec_q4k_scales_mins(const uint8_t * packed) {
     return _mm_loadu_si128((const __m128i *) u);
 }
 
-// Four activation bytes in every 32-bit lane, read as one load that vpdpbusd can take as its
-// broadcast operand (a 64-bit load split in registers cost a GPR-to-vector move per product).
+// Four activation bytes in every 32-bit lane, read as one 4-byte load that GCC broadcasts from
+// memory (a load); a 64-bit load split in registers cost a shift and a broadcast from a general
+// register per product (0.63 against 0.50 ms for 4 rows of a 1536 x 8960 weight).
 static inline __m512i homespec_bcast4(const int8_t * p) {
     int32_t v;
     memcpy(&v, p, 4);
