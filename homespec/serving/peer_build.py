@@ -57,8 +57,7 @@ def build_key(cmake_args: str, machine: str | None = None) -> str:
 def this_cpu_args() -> str:
     """The kernel options of the llama-cpp-python build in use (its stamp: the peer then runs the
     same kernels), else, or when that build is not for this CPU, this CPU's."""
-    folder = cpu_build.installed_package_dir()
-    options = cpu_build.read_stamp(folder) if folder is not None else None
+    options = cpu_build.installed_options()
     if options is None or cpu_build.missing_flags(options, cpu_build.cpu_flags()):
         options = cpu_build.this_cpu_options()
     return cpu_build.cmake_args(options)

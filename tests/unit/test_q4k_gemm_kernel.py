@@ -38,8 +38,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Case]]:
 
 
 def _vnni_build() -> bool | None:
-    folder = cpu_build.installed_package_dir()
-    options = cpu_build.read_stamp(folder) if folder is not None else None
+    options = cpu_build.installed_options()
     return None if options is None else all(options.get(o) for o in VNNI_OPTIONS)
 
 

@@ -56,8 +56,7 @@ def test_q6k_products_match_a_float64_reference_at_every_pass_size(cases: list[C
 
 
 def test_q6k_passes_of_up_to_32_rows_give_each_row_bitwise_its_result_alone(cases: list[Case]) -> None:
-    folder = cpu_build.installed_package_dir()
-    options = cpu_build.read_stamp(folder) if folder is not None else None
+    options = cpu_build.installed_options()
     if options is not None and not options.get("GGML_AVX2"):
         pytest.skip("the fix's kernel is AVX2's; a build without AVX2 keeps ggml's paths")
     few = [c for c in cases if c[0] <= FIX_ROWS]
