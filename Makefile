@@ -12,7 +12,8 @@ CONFIG ?= config.yaml
 # HOMESPEC_AMX=off), and changes llama.cpp's source before building it (its `fixes`: a line GCC 12
 # miscompiles, Q6_K weights kept out of AMX, where they decode slower, a process-wide switch for
 # ggml's reference kernels, which exact mode's verify passes take, flash attention, Q6_K and Q4_K
-# products that cost verify passes less: cpu_build.py says how).
+# products that cost verify passes less, larger chunks of a product for the threads: cpu_build.py
+# says how).
 # The wheel is kept in a folder named after the version, the options and the fixes (their names and
 # a digest of what they change: cpu_build.py fixes), never in pip's
 # cache, which is keyed by version only and would hand a wheel built for one CPU to another that

@@ -27,7 +27,7 @@ buffer; with it, in one process per placement taking turns, prompts read as fast
 AMX and one-token steps as fast as without it (README, "The llama.cpp build"), so AMX is on by
 default.
 
-Four more changes are the wheel's alone (`WHEEL_FIXES`); the bench's peer, a later ggml, is built
+Five more changes are the wheel's alone (`WHEEL_FIXES`); the bench's peer, a later ggml, is built
 as published:
 - ggml switches its reference kernels (no tiled matmul, no split flash attention, no fused ops)
   per CPU backend, which llama.cpp does not hand out; a process-wide switch beside it lets exact
@@ -39,6 +39,9 @@ as published:
   passes (llama/kernels.py).
 - repacked Q4_K products take AVX-512 VNNI where the build has it, ~2.5x cheaper over rows in
   fours and ~1.3x over one row (op timings), each result bitwise ggml's (source_fixes/q4k_vnni.cpp).
+- the threads take a product over a quantized weight outside those paths (Q6_K: the output layer)
+  in chunks of up to ~256 KiB of it, not 16 rows; each chunk cost ~0.7 us more with two threads
+  (source_fixes/weight_chunks.c). No result changes.
 
 This file runs before homespec is installed (`python homespec/llama/cpu_build.py cmake-args`), so
 it imports nothing but the standard library.
@@ -115,6 +118,12 @@ _CPU_C = "ggml/src/ggml-cpu/ggml-cpu.c"
 _MUL_MAT_CHUNK = "static void ggml_compute_forward_mul_mat_one_chunk(\n"  # the kernel goes before it
 _TILED_MM = "    if (ggml_compute_forward_mul_mat_tiled(params, dst)) {\n"  # ggml's tiled matmul, which passes of 8+ rows take
 _MUL_MAT_TILES = "    // attempt to reduce false-sharing (does not seem to make a difference)\n"  # the dispatch before it
+WEIGHT_CHUNKS_FIX = "cpu-weight-chunks"
+# void (bool), exported by libggml-cpu: ggml's own chunks while off (default on), for paired timing,
+# never changed by the daemon.
+WEIGHT_CHUNKS_SWITCH_SYMBOL = "homespec_cpu_set_weight_chunks"
+_MUL_MAT = "void ggml_compute_forward_mul_mat(\n"  # the chunk plan's helper goes before it
+_NCHUNK0 = "    // CEIL(nr0/chunk_size)\n    int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;\n"  # mul_mat's chunks of weight rows
 Q4K_VNNI_FIX = "cpu-q4k-vnni"
 # bool (bool), exported by libggml-cpu: ggml's own Q4_K gemm and gemv while off (default on), for
 # the op-level check and paired timing, never changed by the daemon; returns whether the build has
@@ -158,6 +167,11 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # result bitwise ggml's (source_fixes/q4k_vnni.cpp); builds without VNNI keep ggml's code.
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMV, _fix_text("q4k_vnni.cpp") + _Q4K_GEMV + _fix_text("q4k_vnni_gemv_dispatch.cpp")),
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMM, _Q4K_GEMM + _fix_text("q4k_vnni_dispatch.cpp")),
+    # A product over a quantized weight (outside the repacked and tiled paths: Q6_K) in chunks of
+    # up to ~256 KiB of weight rows rather than 16 rows, which cost ~0.7 us each with two threads
+    # (source_fixes/weight_chunks.c).
+    (WEIGHT_CHUNKS_FIX, _CPU_C, _MUL_MAT, _fix_text("weight_chunks.c") + _MUL_MAT),
+    (WEIGHT_CHUNKS_FIX, _CPU_C, _NCHUNK0, "    // CEIL(nr0/chunk_size)\n" + _fix_text("weight_chunks_plan.c")),
 )
 
 # Asks for the AMX tile state (Linux >= 5.16 gives it on request only), then loads a tile

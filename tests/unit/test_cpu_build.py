@@ -218,8 +218,8 @@ OPS = """static void ggml_compute_forward_flash_attn_ext_f16(
 """
 
 
-# The three lines of ggml-cpu/ggml-cpu.c the Q6_K kernel, its dispatch and the tiled matmul's
-# condition are written at.
+# The lines of ggml-cpu/ggml-cpu.c the Q6_K kernel, its dispatch, the tiled matmul's condition and
+# the chunk plan are written at (mul_mat_id's plan, which stays, has the same line).
 MUL_MAT = """static void ggml_compute_forward_mul_mat_one_chunk(
     const size_t src1_col_stride = src1_cont || src1->type != vec_dot_type ? row_size : nb11;
 
@@ -230,6 +230,12 @@ void ggml_compute_forward_mul_mat(
     if (ggml_compute_forward_mul_mat_tiled(params, dst)) {
         return;
     }
+    // CEIL(nr0/chunk_size)
+    int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
+    int64_t nchunk1 = (nr1 + chunk_size - 1) / chunk_size;
+}
+static void ggml_compute_forward_mul_mat_id(
+        int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
 """
 
 # The two function heads of ggml-cpu/arch/x86/repack.cpp the Q4_K kernels and their dispatches are
@@ -243,10 +249,10 @@ void ggml_gemm_q4_K_8x8_q8_K{_Q4K_ARGS}
 }}
 """
 
-WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX, cb.Q4K_VNNI_FIX]
+WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX, cb.Q4K_VNNI_FIX, cb.WEIGHT_CHUNKS_FIX]
 
 
-def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_and_the_q6k_and_q4k_kernels_and_its_key_names_them(tmp_path: Path) -> None:
+def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and_q4k_kernels_and_the_chunk_plan_and_its_key_names_them(tmp_path: Path) -> None:
     tree = _llama_tree(tmp_path)
     cpu, ops = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp", tree / "ggml/src/ggml-cpu/ops.cpp"
     mul_mat, repack = tree / "ggml/src/ggml-cpu/ggml-cpu.c", tree / "ggml/src/ggml-cpu/arch/x86/repack.cpp"
@@ -277,6 +283,14 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_and_the_q6k
     call = products.index("homespec_vec_dot_q6_K_q8_K_cols((int) ne00,")
     assert max(kernel, take) < chunk < call < products.index("    // attempt to reduce false-sharing")
     assert "    if (!homespec_q6k_columns_take(dst) && ggml_compute_forward_mul_mat_tiled(params, dst)) {" in products
+    # the chunk plan's helper is defined before mul_mat, which counts its chunks of weight rows with
+    # it; mul_mat_id keeps ggml's
+    helper = products.index("static int64_t homespec_weight_chunk_rows(")
+    plan = products.index("homespec_weight_chunk_rows(src0, nr0, chunk_size, nth);")
+    assert helper < products.index("void ggml_compute_forward_mul_mat(\n") < plan < products.index("ggml_compute_forward_mul_mat_id(")
+    assert "    int64_t nchunk0 = (nr0 + chunk_rows0 - 1) / chunk_rows0;\n    int64_t nchunk1 = (nr1 + chunk_size - 1) / chunk_size;" in products
+    assert products.count("int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;") == 1
+    assert f"void {cb.WEIGHT_CHUNKS_SWITCH_SYMBOL}(bool on) {{" in products
     # the Q4_K kernels are defined before ggml's gemv, whose first statement hands one row to the
     # gemv kernel, and ggml's gemm hands its rows to the gemm kernel first
     q4k = repack.read_text()
