@@ -39,6 +39,16 @@ static inline __m512i homespec_bcast4(const int8_t * p) {
     return _mm512_set1_epi32(v);
 }
 
+// One repacked super-block of 8 columns (1152 bytes) into L2. The gemm computes while it reads, and
+// the hardware prefetcher kept too little of the stream ahead of it: prefetching the next column
+// pair one pair ahead made target passes of 4-8 rows 15-25 % cheaper on a 2-core AVX-512 EPYC
+// (processes taking turns, 2026-12-07); into L1 it gained a fifth as much.
+static inline void homespec_prefetch_q4_Kx8(const block_q4_Kx8 * p) {
+    for (size_t line = 0; line < sizeof(block_q4_Kx8); line += 64) {
+        _mm_prefetch((const char *) p + line, _MM_HINT_T1);
+    }
+}
+
 // Rows in fours (nr % 4 == 0), columns in groups of 8 (nc % 8 == 0), two groups at a time: s[row*bs
 // + col] as ggml_gemm_q4_K_8x8_q8_K writes it.
 static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
@@ -65,6 +75,14 @@ static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
                 acc_min[r] = _mm512_setzero_ps();
             }
             for (int ib = 0; ib < nb; ib++) {
+                // the next pair's super-block ib, on the first group of rows only: the later groups
+                // find the weights in cache (prefetching for them too was no faster)
+                if (y == 0 && x + 2 < ngroups) {
+                    homespec_prefetch_q4_Kx8(b0 + 2 * nb + ib);
+                    if (x + 3 < ngroups) {
+                        homespec_prefetch_q4_Kx8(b1 + 2 * nb + ib);
+                    }
+                }
                 const __m512 col_d = _mm512_cvtph_ps(_mm256_inserti128_si256(
                     _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].d)), _mm_loadu_si128((const __m128i *) b1[ib].d), 1));
                 const __m512 col_dmin = _mm512_cvtph_ps(_mm256_inserti128_si256(

@@ -45,6 +45,14 @@ static void homespec_vec_dot_q6_K_q8_K_cols(int n, float * GGML_RESTRICT s, size
     }
 
     for (int i = 0; i < nb; ++i) {
+        // the next weight row's block i into L2, for the dispatch's next call: with several rows to
+        // compute per block, the hardware prefetcher fell behind (target passes of 4-5 rows ~10 %
+        // cheaper with it on a 2-core AVX-512 EPYC, processes taking turns, 2026-12-07). An address
+        // past the weight's end is never read, and a prefetch does not fault.
+        const uintptr_t next = (uintptr_t) (x + i) + (uintptr_t) nb * sizeof(block_q6_K);
+        for (size_t line = 0; line < sizeof(block_q6_K); line += 64) {
+            _mm_prefetch((const char *) (next + line), _MM_HINT_T1);
+        }
         const float xd = GGML_CPU_FP16_TO_FP32(x[i].d);
         const __m128i scales = _mm_loadu_si128((const __m128i *) x[i].scales);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);

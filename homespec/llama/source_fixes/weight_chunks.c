@@ -23,6 +23,8 @@ static int64_t homespec_weight_chunk_rows(const struct ggml_tensor * w, int64_t 
     }
     const int64_t by_bytes = (HOMESPEC_CHUNK_BYTES + (int64_t) w->nb[1] - 1) / (int64_t) w->nb[1];  // rows
     const int64_t by_threads = (nr0 + 4*nth - 1) / (4*nth);  // rows: four chunks a thread
-    return MAX(chunk_size, MIN(by_bytes, by_threads));
+    // even, as ggml's chunks are: kernels that take two weight rows at a time (ARM's int8 matmul)
+    // fall back to one at a time in a chunk of odd length
+    return MAX(chunk_size, (MIN(by_bytes, by_threads) + 1) / 2 * 2);
 }
 
