@@ -38,7 +38,8 @@ as published:
   bitwise its one-row result (source_fixes/q6k_columns.c), with a switch for exact mode's prompt
   passes (llama/kernels.py).
 - repacked Q4_K products take AVX-512 VNNI where the build has it, ~2.5x cheaper over rows in
-  fours and ~1.3x over one row (op timings), each result bitwise ggml's (source_fixes/q4k_vnni.cpp).
+  fours and ~1.3x over one row (op timings), the 2-3 rows left over taken together, each result
+  bitwise ggml's (source_fixes/q4k_vnni.cpp).
 - the threads take a product over a quantized weight outside those paths (Q6_K: the output layer)
   in chunks of up to ~256 KiB of it, not 16 rows; each chunk cost ~0.7 us more with two threads
   (source_fixes/weight_chunks.c). No result changes.
@@ -133,6 +134,9 @@ _X86_REPACK = "ggml/src/ggml-cpu/arch/x86/repack.cpp"
 _Q4K_ARGS = "(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int nr, int nc) {\n"
 _Q4K_GEMV = "void ggml_gemv_q4_K_8x8_q8_K" + _Q4K_ARGS  # the kernels go before it, a dispatch first in it
 _Q4K_GEMM = "void ggml_gemm_q4_K_8x8_q8_K" + _Q4K_ARGS  # a dispatch first in it
+_REPACK = "ggml/src/ggml-cpu/repack.cpp"
+_REPACK_INCLUDES = "#include <cstring>\n"  # the row loop's declaration after it
+_REPACK_ROW_LOOP = "        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {\n"  # the rows the gemm leaves, one at a time
 
 # Changes to llama-cpp-python's llama.cpp only (the bench's peer, a later ggml, has no use_ref). A
 # fix may take several entries of one name.
@@ -167,6 +171,9 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # result bitwise ggml's (source_fixes/q4k_vnni.cpp); builds without VNNI keep ggml's code.
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMV, _fix_text("q4k_vnni.cpp") + _Q4K_GEMV + _fix_text("q4k_vnni_gemv_dispatch.cpp")),
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMM, _Q4K_GEMM + _fix_text("q4k_vnni_dispatch.cpp")),
+    # ... and the 2-3 rows the gemm leaves over in one call (a pass of 3 rows cost more than one of 4)
+    (Q4K_VNNI_FIX, _REPACK, _REPACK_INCLUDES, _REPACK_INCLUDES + _fix_text("q4k_vnni_rows_decl.cpp")),
+    (Q4K_VNNI_FIX, _REPACK, _REPACK_ROW_LOOP, _fix_text("q4k_vnni_rows.cpp") + _REPACK_ROW_LOOP),
     # A product over a quantized weight (outside the repacked and tiled paths: Q6_K) in chunks of
     # up to ~256 KiB of weight rows rather than 16 rows, which cost ~0.7 us each with two threads
     # (source_fixes/weight_chunks.c).

@@ -249,6 +249,14 @@ void ggml_gemm_q4_K_8x8_q8_K{_Q4K_ARGS}
 }}
 """
 
+# The two lines of ggml-cpu/repack.cpp the row loop's declaration and its call are written at.
+GENERIC_REPACK = """#include <cstring>
+        if (nrows > 3) {
+        }
+        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {
+        }
+"""
+
 WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX, cb.Q4K_VNNI_FIX, cb.WEIGHT_CHUNKS_FIX]
 
 
@@ -256,14 +264,16 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and
     tree = _llama_tree(tmp_path)
     cpu, ops = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp", tree / "ggml/src/ggml-cpu/ops.cpp"
     mul_mat, repack = tree / "ggml/src/ggml-cpu/ggml-cpu.c", tree / "ggml/src/ggml-cpu/arch/x86/repack.cpp"
+    generic = tree / "ggml/src/ggml-cpu/repack.cpp"
     cpu.write_text(CPU_BACKEND)
     ops.write_text(OPS)
     mul_mat.write_text(MUL_MAT)
     repack.parent.mkdir(parents=True)
     repack.write_text(REPACK)
+    generic.write_text(GENERIC_REPACK)
     assert cb.fix_source(tree) == ["amx-tile-config", "amx-q6k-outside"]  # the peer's: its ggml has no use_ref
     assert cpu.read_text() == CPU_BACKEND and ops.read_text() == OPS and mul_mat.read_text() == MUL_MAT  # as published
-    assert repack.read_text() == REPACK
+    assert repack.read_text() == REPACK and generic.read_text() == GENERIC_REPACK
     assert cb.fix_source(tree, cb.WHEEL_FIXES) == WHEEL_FIX_NAMES
     fixed = cpu.read_text()
     assert "cpu_ctx->use_ref || homespec_use_ref.load()" in fixed and f"void {cb.REFERENCE_SWITCH_SYMBOL}(bool" in fixed
@@ -300,8 +310,15 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and
     gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_vnni(n, s, bs, vx, vy, nr, nc);")
     assert max(kernels) < gemv < gemv_call < q4k.index("    const int qk = QK_K;") < gemm < gemm_call < q4k.rindex("    const int qk = QK_K;")
     assert f"bool {cb.Q4K_VNNI_SWITCH_SYMBOL}(bool on) {{" in q4k
+    # the row loop after ggml's gemm hands the 2-3 rows it leaves to one gemv call first, asking the
+    # x86 file (declared weak, after the includes) whether it takes them
+    rows = generic.read_text()
+    declared = rows.index('extern "C" __attribute__((weak)) bool homespec_q4k_gemv_takes_rows(void);')
+    asked = rows.index("homespec_q4k_gemv_takes_rows()")
+    assert rows.index("#include <cstring>") < declared < asked < rows.index("        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {")
+    assert "bool homespec_q4k_gemv_takes_rows(void) {" in q4k and "homespec_gemv_q4_K_8x8_q8_K_rows<3>(n, s, bs, vx, vy, nc);" in q4k
     assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
-    assert mul_mat.read_text() == products and repack.read_text() == q4k
+    assert mul_mat.read_text() == products and repack.read_text() == q4k and generic.read_text() == rows
     assert cb.fix_names() == WHEEL_FIX_NAMES  # the wheel's key and stamp
 
 

@@ -1,6 +1,6 @@
 """Repacked Q4_K products in the installed llama.cpp build: tests/unit/q4k_gemm_check.c, compiled
 against the wheel's headers and libraries, calls ggml's exported gemm (activation rows in fours)
-and gemv (one row) of the q4_K_8x8 layout, the layout every Q4_K weight of the target takes where
+and gemv (1-3 rows: several in one call where the fix takes them) of the q4_K_8x8 layout, the layout every Q4_K weight of the target takes where
 weights are repacked, with cpu_build's Q4K_VNNI_FIX switched on and off, and ggml's scalar versions
 of both. No weights.
 
@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("q4k_gemm_check.c")
 MAX_REL_ERR = 1e-5  # of the case's largest |result|: exact integer sums, float steps per 64 values (5e-7 here)
 VNNI_OPTIONS = ("GGML_AVX512", "GGML_AVX512_VNNI")  # what the fix's kernels are compiled under
 
-# rows (1: the gemv), inputs, outputs, results that differ between the switch on and off, error
+# rows (1-3: the gemv), inputs, outputs, results that differ between the switch on and off, error
 # with the switch on and off
 Case = tuple[int, int, int, int, float, float]
 
@@ -52,7 +52,7 @@ def test_the_wheel_has_the_vnni_kernels_exactly_where_it_was_built_for_vnni(run:
 
 def test_q4k_products_match_ggmls_scalar_code_at_every_row_count(run: tuple[str, list[Case]]) -> None:
     _, cases = run
-    assert {c[0] for c in cases} == {1, 4, 8, 12, 16, 20, 32, 36} and len(cases) == 16
+    assert {c[0] for c in cases} == {1, 2, 3, 4, 8, 12, 16, 20, 32, 36} and len(cases) == 20
     bad = [c for c in cases if not (c[4] <= MAX_REL_ERR and c[5] <= MAX_REL_ERR)]  # NaN is bad too
     assert not bad, f"(rows, inputs, outputs, differing, error on, error off) beyond {MAX_REL_ERR}: {bad}"
 

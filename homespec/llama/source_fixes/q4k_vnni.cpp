@@ -203,11 +203,102 @@ static void homespec_gemv_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, con
         _mm256_storeu_ps(s + (size_t) x * 8, _mm256_sub_ps(acc, acc_min));
     }
 }
+
+// Two or three rows (block_q8_K each, one after the other, as ggml quantizes the rows its gemm
+// leaves over) against the same weights: the weights unpacked once per 64 values for all of them,
+// each row's sums and float steps those of the gemv above, so every row's result is bitwise its
+// result alone. ggml ran the gemv once per row, and a pass of 3 rows cost more than one of 4
+// (2-core AVX-512 EPYC: 59 against 45 ms, `homespec bench`'s warm-up curve, 2026-12-07).
+template <int R>
+static void homespec_gemv_q4_K_8x8_q8_K_rows(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
+                                             const void * GGML_RESTRICT vy, int nc) {
+    const int nb = n / QK_K;  // super-blocks of 256 values
+    const block_q4_Kx8 * b_start = (const block_q4_Kx8 *) vx;
+    const block_q8_K * a[R];  // [R] each row's blocks
+    for (int r = 0; r < R; r++) {
+        a[r] = (const block_q8_K *) vy + (size_t) r * nb;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);  // as in the gemv
+    for (int x = 0; x < nc / 8; x++) {
+        const block_q4_Kx8 * b = b_start + (size_t) x * nb;
+        __m256 acc[R], acc_min[R];  // [R] x 8 columns
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_setzero_ps();
+            acc_min[r] = _mm256_setzero_ps();
+        }
+        for (int ib = 0; ib < nb; ib++) {
+            if (x + 1 < nc / 8) {
+                homespec_prefetch_q4_Kx8(b + nb + ib);  // the next column group's, as the gemm does
+            }
+            __m512i isum[R];  // [R] x (8 columns x 2 lanes) int32, exact
+            __m256i imin[R];  // [R] x 8 columns int32, exact
+            for (int r = 0; r < R; r++) {
+                isum[r] = _mm512_setzero_si512();
+                imin[r] = _mm256_setzero_si256();
+            }
+            for (int sb = 0; sb < QK_K / 64; sb++) {
+                const __m128i sm_lo = homespec_q4k_scales_mins(b[ib].scales + 24 * sb);
+                const __m128i sm_hi = homespec_q4k_scales_mins(b[ib].scales + 12 + 24 * sb);
+                const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm_lo, sm_lo));
+                const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm_hi, sm_hi));
+                const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm_lo, sm_hi));
+                __m512i dot_lo[R], dot_hi[R];  // [R] x (8 columns x 2 lanes) int32
+                for (int r = 0; r < R; r++) {
+                    const int16_t * bsums = a[r][ib].bsums + 4 * sb;
+                    const int32_t bsum_pair = (int32_t) ((uint16_t) (bsums[0] + bsums[1]) | ((uint32_t) (uint16_t) (bsums[2] + bsums[3]) << 16));
+                    imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mins, _mm256_set1_epi32(bsum_pair)));
+                    dot_lo[r] = _mm512_setzero_si512();
+                    dot_hi[r] = _mm512_setzero_si512();
+                }
+                const uint8_t * q = b[ib].qs + 256 * sb;
+                for (int j = 0; j < 4; j++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *) (q + 64 * j));
+                    const __m512i w_lo = _mm512_and_si512(raw, m4);
+                    const __m512i w_hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t * qa = a[r][ib].qs + 64 * sb;
+                        int64_t a_lo, a_hi;
+                        memcpy(&a_lo, qa + 8 * j, 8);
+                        memcpy(&a_hi, qa + 32 + 8 * j, 8);
+                        dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], w_lo, _mm512_set1_epi64(a_lo));
+                        dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], w_hi, _mm512_set1_epi64(a_hi));
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[r], scale_lo), _mm512_mullo_epi32(dot_hi[r], scale_hi)));
+                }
+            }
+            const __m256 col_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b[ib].d));
+            const __m256 col_dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b[ib].dmin));
+            for (int r = 0; r < R; r++) {
+                const __m512i split = _mm512_permutexvar_epi32(pairs, isum[r]);
+                const __m256i col_sum = _mm256_add_epi32(_mm512_castsi512_si256(split), _mm512_extracti64x4_epi64(split, 1));
+                const __m256 row_d = _mm256_set1_ps(a[r][ib].d);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(col_sum), _mm256_mul_ps(col_d, row_d), acc[r]);
+                acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(col_dmin, row_d), acc_min[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(s + (size_t) r * bs + (size_t) x * 8, _mm256_sub_ps(acc[r], acc_min[r]));
+        }
+    }
+}
 #endif
 
 // bool (bool): ggml's own gemm and gemv while off, for the op-level check and paired timing (default
 // on); returns whether this build has the kernels at all (AVX-512 with VNNI), the switch's effect.
 extern "C" {
+// Whether ggml_gemv_q4_K_8x8_q8_K takes 2-3 rows in one call now (its `nr`; ggml's own takes one):
+// the row loop ggml's repack.cpp runs after the gemm asks before it calls (q4k_vnni_rows.cpp).
+bool homespec_q4k_gemv_takes_rows(void);
+bool homespec_q4k_gemv_takes_rows(void) {
+#if defined(HOMESPEC_Q4K_VNNI)
+    return homespec_q4k_vnni.load(std::memory_order_relaxed);
+#else
+    return false;
+#endif
+}
 GGML_BACKEND_API bool homespec_cpu_set_q4k_vnni(bool on);
 GGML_BACKEND_API bool homespec_cpu_set_q4k_vnni(bool on) {
 #if defined(HOMESPEC_Q4K_VNNI)
