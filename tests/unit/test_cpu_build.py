@@ -306,7 +306,7 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and
     q4k = repack.read_text()
     gemv, gemm = q4k.index("void ggml_gemv_q4_K_8x8_q8_K("), q4k.index("void ggml_gemm_q4_K_8x8_q8_K(")
     kernels = [q4k.index("static void homespec_gemv_q4_K_8x8_q8_K_vnni("), q4k.index("static void homespec_gemm_q4_K_8x8_q8_K_vnni(")]
-    gemv_call = q4k.index("homespec_gemv_q4_K_8x8_q8_K_vnni(n, s, vx, vy, nc);")
+    gemv_call = q4k.index("homespec_gemv_q4_K_8x8_q8_K_vnni<1>(n, s, bs, vx, vy, nc);")
     gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_vnni(n, s, bs, vx, vy, nr, nc);")
     assert max(kernels) < gemv < gemv_call < q4k.index("    const int qk = QK_K;") < gemm < gemm_call < q4k.rindex("    const int qk = QK_K;")
     assert f"bool {cb.Q4K_VNNI_SWITCH_SYMBOL}(bool on) {{" in q4k
@@ -316,7 +316,7 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and
     declared = rows.index('extern "C" __attribute__((weak)) bool homespec_q4k_gemv_takes_rows(void);')
     asked = rows.index("homespec_q4k_gemv_takes_rows()")
     assert rows.index("#include <cstring>") < declared < asked < rows.index("        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {")
-    assert "bool homespec_q4k_gemv_takes_rows(void) {" in q4k and "homespec_gemv_q4_K_8x8_q8_K_rows<3>(n, s, bs, vx, vy, nc);" in q4k
+    assert "bool homespec_q4k_gemv_takes_rows(void) {" in q4k and "homespec_gemv_q4_K_8x8_q8_K_vnni<3>(n, s, bs, vx, vy, nc);" in q4k
     assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
     assert mul_mat.read_text() == products and repack.read_text() == q4k and generic.read_text() == rows
     assert cb.fix_names() == WHEEL_FIX_NAMES  # the wheel's key and stamp

@@ -1,5 +1,5 @@
 // homespec (cpu_build.py, Q4K_VNNI_FIX): ggml's repacked Q4_K weights (block_q4_Kx8) against rows
-// of activations in fours (block_q8_Kx4) and against one row (block_q8_K), with AVX-512 VNNI.
+// of activations in fours (block_q8_Kx4) and against 1-3 rows (block_q8_K), with AVX-512 VNNI.
 //
 // ggml 0.25.3's gemm for this layout multiplies with AVX2's maddubs, then widens, shuffles and
 // adds the 16-bit products of every row; on a 2-core EPYC a 4-row product cost as much as four
@@ -149,68 +149,15 @@ static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
     }
 }
 
-// One row (block_q8_K) against the same weights, 8 columns at a time (ggml calls it with nr == 1).
-// Bitwise ggml's gemv too: exact integer sums per super-block, then one fused multiply-add each for
-// the sums and the mins, as its AVX2 gemv does.
-static void homespec_gemv_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx,
-                                             const void * GGML_RESTRICT vy, int nc) {
-    const int nb = n / QK_K;  // super-blocks of 256 values
-    const block_q4_Kx8 * b_start = (const block_q4_Kx8 *) vx;
-    const block_q8_K * a = (const block_q8_K *) vy;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    // A load of 64 weight bytes holds 8 columns x 8 values, two 32-bit lanes per column:
-    // the sums of a column's two lanes, first lanes then second lanes
-    const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int x = 0; x < nc / 8; x++) {
-        const block_q4_Kx8 * b = b_start + (size_t) x * nb;
-        __m256 acc = _mm256_setzero_ps(), acc_min = _mm256_setzero_ps();  // [8 columns]
-        for (int ib = 0; ib < nb; ib++) {
-            __m512i isum = _mm512_setzero_si512();  // [8 columns x 2 lanes] int32, exact
-            __m256i imin = _mm256_setzero_si256();  // [8 columns] int32, exact
-            for (int sb = 0; sb < QK_K / 64; sb++) {
-                const __m128i sm_lo = homespec_q4k_scales_mins(b[ib].scales + 24 * sb);
-                const __m128i sm_hi = homespec_q4k_scales_mins(b[ib].scales + 12 + 24 * sb);
-                // each column's scale in both of its lanes
-                const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm_lo, sm_lo));
-                const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(sm_hi, sm_hi));
-                // 16-bit pairs (low sub-block's min, high sub-block's min) per column
-                const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm_lo, sm_hi));
-                const int32_t bsum_pair = (int32_t) ((uint16_t) (a[ib].bsums[4 * sb] + a[ib].bsums[4 * sb + 1]) |
-                                                     ((uint32_t) (uint16_t) (a[ib].bsums[4 * sb + 2] + a[ib].bsums[4 * sb + 3]) << 16));
-                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins, _mm256_set1_epi32(bsum_pair)));
-
-                const uint8_t * q = b[ib].qs + 256 * sb;
-                const int8_t * qa = a[ib].qs + 64 * sb;  // k = 64 sb + ...: low nibbles, then +32 high
-                __m512i dot_lo = _mm512_setzero_si512(), dot_hi = _mm512_setzero_si512();
-                for (int j = 0; j < 4; j++) {
-                    const __m512i raw = _mm512_loadu_si512((const void *) (q + 64 * j));
-                    int64_t a_lo, a_hi;
-                    memcpy(&a_lo, qa + 8 * j, 8);
-                    memcpy(&a_hi, qa + 32 + 8 * j, 8);
-                    dot_lo = _mm512_dpbusd_epi32(dot_lo, _mm512_and_si512(raw, m4), _mm512_set1_epi64(a_lo));
-                    dot_hi = _mm512_dpbusd_epi32(dot_hi, _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4), _mm512_set1_epi64(a_hi));
-                }
-                isum = _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(dot_lo, scale_lo), _mm512_mullo_epi32(dot_hi, scale_hi)));
-            }
-            const __m512i split = _mm512_permutexvar_epi32(pairs, isum);
-            const __m256i col_sum = _mm256_add_epi32(_mm512_castsi512_si256(split), _mm512_extracti64x4_epi64(split, 1));
-            const __m256 row_d = _mm256_set1_ps(a[ib].d);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(col_sum),
-                                  _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b[ib].d)), row_d), acc);
-            acc_min = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin),
-                                      _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b[ib].dmin)), row_d), acc_min);
-        }
-        _mm256_storeu_ps(s + (size_t) x * 8, _mm256_sub_ps(acc, acc_min));
-    }
-}
-
-// Two or three rows (block_q8_K each, one after the other, as ggml quantizes the rows its gemm
-// leaves over) against the same weights: the weights unpacked once per 64 values for all of them,
-// each row's sums and float steps those of the gemv above, so every row's result is bitwise its
-// result alone. ggml ran the gemv once per row, and a pass of 3 rows cost more than one of 4
-// (2-core AVX-512 EPYC: 59 against 45 ms, `homespec bench`'s warm-up curve, 2026-12-07).
+// One row, or the two or three a gemm leaves over (block_q8_K each, one after the other, as ggml
+// quantizes them), against the same weights, 8 columns at a time. The weights are unpacked once per
+// 64 values for all rows, and each row's steps are those of ggml's AVX2 gemv for one row: exact
+// integer sums per super-block, then one fused multiply-add each for the sums and the mins. So
+// every result is bitwise ggml's gemv's for that row alone. ggml ran its gemv once per row, and a
+// pass of 3 rows cost more than one of 4 (2-core AVX-512 EPYC: 59 against 45 ms, `homespec bench`'s
+// warm-up curve, 2026-12-07).
 template <int R>
-static void homespec_gemv_q4_K_8x8_q8_K_rows(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
+static void homespec_gemv_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
                                              const void * GGML_RESTRICT vy, int nc) {
     const int nb = n / QK_K;  // super-blocks of 256 values
     const block_q4_Kx8 * b_start = (const block_q4_Kx8 *) vx;
@@ -219,7 +166,9 @@ static void homespec_gemv_q4_K_8x8_q8_K_rows(int n, float * GGML_RESTRICT s, siz
         a[r] = (const block_q8_K *) vy + (size_t) r * nb;
     }
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);  // as in the gemv
+    // A load of 64 weight bytes holds 8 columns x 8 values, two 32-bit lanes per column:
+    // the sums of a column's two lanes, first lanes then second lanes
+    const __m512i pairs = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int x = 0; x < nc / 8; x++) {
         const block_q4_Kx8 * b = b_start + (size_t) x * nb;
         __m256 acc[R], acc_min[R];  // [R] x 8 columns
@@ -228,8 +177,10 @@ static void homespec_gemv_q4_K_8x8_q8_K_rows(int n, float * GGML_RESTRICT s, siz
             acc_min[r] = _mm256_setzero_ps();
         }
         for (int ib = 0; ib < nb; ib++) {
-            if (x + 1 < nc / 8) {
-                homespec_prefetch_q4_Kx8(b + nb + ib);  // the next column group's, as the gemm does
+            if constexpr (R > 1) {  // one row streams at the memory's pace without it
+                if (x + 1 < nc / 8) {
+                    homespec_prefetch_q4_Kx8(b + nb + ib);  // the next column group's, as the gemm does
+                }
             }
             __m512i isum[R];  // [R] x (8 columns x 2 lanes) int32, exact
             __m256i imin[R];  // [R] x 8 columns int32, exact
