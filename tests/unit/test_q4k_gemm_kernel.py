@@ -1,8 +1,8 @@
 """Repacked Q4_K products in the installed llama.cpp build: tests/unit/q4k_gemm_check.c, compiled
 against the wheel's headers and libraries, calls ggml's exported gemm (activation rows in fours)
-and gemv (1-3 rows: several in one call where the fix takes them) of the q4_K_8x8 layout, the layout every Q4_K weight of the target takes where
-weights are repacked, with cpu_build's Q4K_VNNI_FIX switched on and off, and ggml's scalar versions
-of both. No weights.
+and gemv (1-3 rows, several in one call where the fix takes them) of the q4_K_8x8 layout, the
+layout every Q4_K weight of the target takes where weights are repacked, with cpu_build's
+Q4K_VNNI_FIX switched on and off, and ggml's scalar versions of both. No weights.
 
 The fix's property: where the build has AVX-512 VNNI, its kernels give every result bitwise what
 ggml's own code gives (so nothing a model says changes), within the accuracy of ggml's scalar

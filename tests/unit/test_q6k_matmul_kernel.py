@@ -8,7 +8,9 @@ together) takes a kernel that unpacks each weight block once for all rows and gi
 bitwise the result of a pass of that row alone, where ggml 0.25.3 took its tiled matmul from 8 rows
 on (results that differ in the last bits). With the tiled matmul off (GGML_CPU_TILED_MM=0), every
 pass is bitwise the row alone, fix or not. Exact mode's switch (kernels.pass_kernels, for its
-prompt passes) gives passes of 8+ rows back to the tiled matmul."""
+prompt passes) gives passes of 8+ rows back to the tiled matmul. At 2 and 3 threads the 200-row
+weight is shared out in cpu_build's WEIGHT_CHUNKS_FIX chunks (26 and 18 rows), so the same cases
+check that plan leaves no row out and changes no result."""
 
 from __future__ import annotations
 
