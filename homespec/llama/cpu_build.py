@@ -134,6 +134,13 @@ _X86_REPACK = "ggml/src/ggml-cpu/arch/x86/repack.cpp"
 _Q4K_ARGS = "(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int nr, int nc) {\n"
 _Q4K_GEMV = "void ggml_gemv_q4_K_8x8_q8_K" + _Q4K_ARGS  # the kernels go before it, a dispatch first in it
 _Q4K_GEMM = "void ggml_gemm_q4_K_8x8_q8_K" + _Q4K_ARGS  # a dispatch first in it
+Q4_0_VNNI_FIX = "cpu-q4_0-vnni"
+# bool (bool), exported by libggml-cpu: ggml's own Q4_0 gemv and gemm while off (default on), for the
+# op-level check and paired timing, never changed by the daemon; returns whether the build has the
+# kernels (AVX-512 with VNNI).
+Q4_0_VNNI_SWITCH_SYMBOL = "homespec_cpu_set_q4_0_vnni"
+_Q4_0_GEMV = "void ggml_gemv_q4_0_8x8_q8_0" + _Q4K_ARGS  # the kernels go before it, a dispatch first in it
+_Q4_0_GEMM = "void ggml_gemm_q4_0_8x8_q8_0" + _Q4K_ARGS  # a dispatch first in it
 _REPACK = "ggml/src/ggml-cpu/repack.cpp"
 _REPACK_INCLUDES = "#include <cstring>\n"  # the row loop's declaration after it
 _REPACK_ROW_LOOP = "        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {\n"  # the rows the gemm leaves, one at a time
@@ -174,6 +181,13 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # ... and the 2-3 rows the gemm leaves over in one call (a pass of 3 rows cost more than one of 4)
     (Q4K_VNNI_FIX, _REPACK, _REPACK_INCLUDES, _REPACK_INCLUDES + _fix_text("q4k_vnni_rows_decl.cpp")),
     (Q4K_VNNI_FIX, _REPACK, _REPACK_ROW_LOOP, _fix_text("q4k_vnni_rows.cpp") + _REPACK_ROW_LOOP),
+    # Repacked Q4_0 weights (the draft's) against 1-3 rows in one call and rows in fours, with AVX-512
+    # VNNI, every result bitwise ggml's (source_fixes/q4_0_vnni.cpp): a draft step's pass over 2
+    # tokens cost 1.5x one over 1.
+    (Q4_0_VNNI_FIX, _X86_REPACK, _Q4_0_GEMV, _fix_text("q4_0_vnni.cpp") + _Q4_0_GEMV + _fix_text("q4_0_vnni_gemv_dispatch.cpp")),
+    (Q4_0_VNNI_FIX, _X86_REPACK, _Q4_0_GEMM, _Q4_0_GEMM + _fix_text("q4_0_vnni_dispatch.cpp")),
+    (Q4_0_VNNI_FIX, _REPACK, _REPACK_INCLUDES, _REPACK_INCLUDES + _fix_text("q4_0_vnni_rows_decl.cpp")),
+    (Q4_0_VNNI_FIX, _REPACK, _REPACK_ROW_LOOP, _fix_text("q4_0_vnni_rows.cpp") + _REPACK_ROW_LOOP),
     # A product over a quantized weight (outside the repacked and tiled paths: Q6_K) in chunks of
     # up to ~256 KiB of weight rows rather than 16 rows, which cost ~0.7 us each with two threads
     # (source_fixes/weight_chunks.c).
@@ -241,7 +255,10 @@ def fix_source(llama_cpp: Path, fixes: tuple[tuple[str, str, str, str], ...] = S
     for name, rel, text, replacement in fixes:
         path = Path(llama_cpp) / rel
         source = path.read_text()
-        if replacement not in source:
+        # What the fix adds, on either side of its line where it keeps the line: another fix at the
+        # same line may have gone between them since
+        added = [part for part in replacement.split(text, 1) if part] if text in replacement else [replacement]
+        if not all(part in source for part in added):
             if source.count(text) != 1:
                 raise RuntimeError(f"{path}: the line fix {name!r} replaces is not there once; not building this source")
             path.write_text(source.replace(text, replacement))

@@ -238,10 +238,16 @@ static void ggml_compute_forward_mul_mat_id(
         int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
 """
 
-# The two function heads of ggml-cpu/arch/x86/repack.cpp the Q4_K kernels and their dispatches are
-# written at.
+# The four function heads of ggml-cpu/arch/x86/repack.cpp the Q4_0 and Q4_K kernels and their
+# dispatches are written at.
 _Q4K_ARGS = "(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int nr, int nc) {"
-REPACK = f"""void ggml_gemv_q4_K_8x8_q8_K{_Q4K_ARGS}
+REPACK = f"""void ggml_gemv_q4_0_8x8_q8_0{_Q4K_ARGS}
+    const int qk = QK8_0;
+}}
+void ggml_gemm_q4_0_8x8_q8_0{_Q4K_ARGS}
+    const int qk = QK8_0;
+}}
+void ggml_gemv_q4_K_8x8_q8_K{_Q4K_ARGS}
     const int qk = QK_K;
 }}
 void ggml_gemm_q4_K_8x8_q8_K{_Q4K_ARGS}
@@ -257,10 +263,11 @@ GENERIC_REPACK = """#include <cstring>
         }
 """
 
-WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX, cb.Q4K_VNNI_FIX, cb.WEIGHT_CHUNKS_FIX]
+WHEEL_FIX_NAMES = ["amx-tile-config", "amx-q6k-outside", cb.USE_REF_FIX, cb.FA_GROUPED_FIX, cb.Q6K_COLUMNS_FIX, cb.Q4K_VNNI_FIX,
+                   cb.Q4_0_VNNI_FIX, cb.WEIGHT_CHUNKS_FIX]
 
 
-def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and_q4k_kernels_and_the_chunk_plan_and_its_key_names_them(tmp_path: Path) -> None:
+def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_q4k_and_q4_0_kernels_and_the_chunk_plan_and_its_key_names_them(tmp_path: Path) -> None:
     tree = _llama_tree(tmp_path)
     cpu, ops = tree / "ggml/src/ggml-cpu/ggml-cpu.cpp", tree / "ggml/src/ggml-cpu/ops.cpp"
     mul_mat, repack = tree / "ggml/src/ggml-cpu/ggml-cpu.c", tree / "ggml/src/ggml-cpu/arch/x86/repack.cpp"
@@ -317,6 +324,18 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_and
     asked = rows.index("homespec_q4k_gemv_takes_rows()")
     assert rows.index("#include <cstring>") < declared < asked < rows.index("        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {")
     assert "bool homespec_q4k_gemv_takes_rows(void) {" in q4k and "homespec_gemv_q4_K_8x8_q8_K_vnni<3>(n, s, bs, vx, vy, nc);" in q4k
+    # the same for Q4_0 (the draft's): kernels before ggml's gemv, one dispatch first in each of its
+    # gemv and gemm, and the row loop asks the x86 file about them too (both questions before it)
+    q4_0_gemv, q4_0_gemm = q4k.index("void ggml_gemv_q4_0_8x8_q8_0("), q4k.index("void ggml_gemm_q4_0_8x8_q8_0(")
+    kernels = [q4k.index("static void homespec_gemv_q4_0_8x8_q8_0_vnni("), q4k.index("static void homespec_gemm_q4_0_8x8_q8_0_vnni(")]
+    gemv_call = q4k.index("homespec_gemv_q4_0_8x8_q8_0_vnni<1>(n, s, bs, vx, vy, nc);")
+    gemm_call = q4k.index("homespec_gemm_q4_0_8x8_q8_0_vnni(n, s, bs, vx, vy, nr, nc);")
+    assert max(kernels) < q4_0_gemv < gemv_call < q4k.index("    const int qk = QK8_0;") < q4_0_gemm < gemm_call < q4k.rindex("    const int qk = QK8_0;")
+    assert f"bool {cb.Q4_0_VNNI_SWITCH_SYMBOL}(bool on) {{" in q4k and "bool homespec_q4_0_gemv_takes_rows(int n) {" in q4k
+    declared = rows.index('extern "C" __attribute__((weak)) bool homespec_q4_0_gemv_takes_rows(int n);')
+    asked = rows.index("homespec_q4_0_gemv_takes_rows((int) ne00)")
+    assert rows.index("#include <cstring>") < declared < asked < rows.index("        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {")
+    assert rows.count("std::is_same_v<BLOC_TYPE, block_q4_0>") == 1 and rows.count("std::is_same_v<BLOC_TYPE, block_q4_K>") == 1
     assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
     assert mul_mat.read_text() == products and repack.read_text() == q4k and generic.read_text() == rows
     assert cb.fix_names() == WHEEL_FIX_NAMES  # the wheel's key and stamp
