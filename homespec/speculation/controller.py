@@ -112,6 +112,11 @@ UNSEEN_CATCHUP_S = 1.0
 # ~100-300.
 PLAN_KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 PLAN_LENGTHS = (2, 3, 5, 9, 17)
+# Calibration times every pass of at most SMALL_ROWS rows beside a one-token pass PAIRED_SMALL times
+# at least: plain decoding and the drafts most steps take (~0.1 s each on 2 cores), where a
+# misjudged ratio decides most steps.
+SMALL_ROWS = 8
+PAIRED_SMALL = 4
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
@@ -329,8 +334,15 @@ class Controller:
         sizes: Sequence[int] | None = None,
     ) -> dict[str, dict[int, float]]:
         """Measure this machine: the target's pass over n tokens (time_pass(n) runs one and
-        returns seconds; median of `passes`), then each proposer's own cost after `context`
-        (see Proposer.measure_cost). Returns the samples: {"target" | proposer: {n: seconds}}.
+        returns seconds), then each proposer's own cost after `context` (see
+        Proposer.measure_cost). Returns the samples: {"target" | proposer: {n: seconds}}.
+
+        Each size is timed right after a one-token pass, `passes` times (PAIRED_SMALL at least up
+        to SMALL_ROWS rows): its cost is the median ratio to its one-token pass times the median
+        one-token pass. A decision weighs a draft's pass against plain decoding's, so the ratio is
+        what must hold, and a 2-core VM's pace drifts within the warm-up: sizes timed one after
+        another put a one-token pass at 34 ms where the run's plain steps took 25.5-29 (2026-12-07,
+        `homespec bench`), and auto drafted in chat at 0.96x of plain, expecting 1.28x.
 
         Sizes default to a spread over 1..k_max + 1 (interpolated between), which keeps warm-up
         to a few seconds on a CPU; past 12 rows, every doubling or so (a CPU's curve bends there,
@@ -338,7 +350,17 @@ class Controller:
         n_max = self.k_max + 1
         if sizes is None:
             sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49, n_max} & set(range(1, n_max + 1)))
-        samples = {n: float(np.median([time_pass(n) for _ in range(passes)])) for n in sizes}
+        ones: list[float] = []  # seconds of every one-token pass
+        ratios: dict[int, list[float]] = {n: [] for n in sizes if n != 1}  # size -> [its pass / the one-token pass before it]
+        for n in ratios:
+            for _ in range(max(passes, PAIRED_SMALL) if n <= SMALL_ROWS else passes):
+                one = time_pass(1)
+                ones.append(one)
+                ratios[n].append(time_pass(n) / one)
+        if not ones:  # (sizes: 1 alone)
+            ones = [time_pass(1) for _ in range(passes)]
+        one_s = float(np.median(ones))
+        samples = {n: one_s * float(np.median(ratios[n])) if n in ratios else one_s for n in sizes}
         self.cost.set_verify(samples)
         self.shared.set_verify(samples)  # until passes of several requests are timed
         out = {"target": samples}

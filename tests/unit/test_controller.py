@@ -642,8 +642,23 @@ def test_calibration_times_long_passes_where_the_curve_bends_not_a_line_from_12_
     timed: list[int] = []
     c = Controller([], ControllerConfig(), k_max=48)
     c.calibrate(lambda n: timed.append(n) or curve(n), passes=1)
-    assert timed == [1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49]
+    assert timed[1::2] == [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4 + [8] * 4 + [10, 12, 17, 25, 33, 49]  # each after a 1-token pass
+    assert set(timed[::2]) == {1}
     assert c.cost.verify(33) == pytest.approx(curve(33))  # measured, not interpolated
+
+
+def test_calibration_keeps_each_pass_to_plain_decoding_ratio_while_the_machine_slows_down() -> None:
+    calls = 0
+
+    def drifting(n: int) -> float:  # 2 % slower with every pass timed, as a VM's pace drifts
+        nonlocal calls
+        calls += 1
+        return epyc_cost(n) * (1.0 + 0.02 * calls)
+
+    c = Controller([], ControllerConfig(), k_max=16)
+    c.calibrate(drifting, passes=2)
+    for n in (2, 3, 5, 9, 17):
+        assert c.cost.verify(n) / c.cost.verify(1) == pytest.approx(epyc_cost(n) / epyc_cost(1), rel=0.03)
 
 
 def test_the_same_question_again_drafts_as_far_as_its_near_ties_make_worth_it() -> None:
