@@ -654,7 +654,7 @@ class Controller:
                 earned = max(unearned, EARNED_GROWTH * self.req.earned.get(name, 0), self._copied(context, preview.evidence))
                 self._shown[name] = preview.evidence
                 lag = p.lag(context)
-                switch_s = self.cost.catchup(name, lag) if lag > IN_STEP_LAG else 0.0
+                switch_s = self.cost.catchup(name, lag, base=IN_STEP_LAG) if lag > IN_STEP_LAG else 0.0
                 out[name] = Option(self._key(name, preview.evidence), min(preview.available, earned), switch_s, preview.gaps)
         return out
 

@@ -84,3 +84,12 @@ def test_a_near_tie_is_given_again_less_often_than_a_clear_lead_until_seen_other
     for _ in range(30):  # and where they flip more often than measured here, the estimate follows
         noisy.observe(np.array([0.01, 3.0], np.float32), [False])
     assert noisy.keep(gaps)[0] < 0.3 and noisy.keep(gaps)[-1] == before[-1]
+
+
+def test_a_lag_is_priced_beyond_what_a_step_reads_anyway() -> None:
+    c = CostModel(17, 0.05)
+    c.set_verify({1: 0.03, 17: 0.17})
+    c.catchup_s["draft"] = 0.003  # seconds a missed token (the 0.5B Q4_0 draft: ~3 ms at any lag)
+    assert c.catchup("draft", 3, base=2) == pytest.approx(0.003)  # a step's first pass reads 2 anyway
+    assert c.catchup("draft", 2, base=2) == 0.0
+    assert c.catchup("draft", 300) == pytest.approx(0.9)  # a prompt it never read
