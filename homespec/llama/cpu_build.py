@@ -27,19 +27,22 @@ buffer; with it, in one process per placement taking turns, prompts read as fast
 AMX and one-token steps as fast as without it (README, "The llama.cpp build"), so AMX is on by
 default.
 
-Five more changes are the wheel's alone (`WHEEL_FIXES`); the bench's peer, a later ggml, is built
+Six more changes are the wheel's alone (`WHEEL_FIXES`); the bench's peer, a later ggml, is built
 as published:
 - ggml switches its reference kernels (no tiled matmul, no split flash attention, no fused ops)
   per CPU backend, which llama.cpp does not hand out; a process-wide switch beside it lets exact
   mode run its verify passes on them, pass by pass (llama/kernels.py).
-- flash attention for passes of fewer than 64 query rows takes the query heads that share a KV
+- flash attention for passes of up to 65 query rows takes the query heads that share a KV
   head in one tile (source_fixes/flash_attn_grouped.cpp), so verify passes cost no more with it.
-- Q6_K products over 2-32 rows unpack each weight block once for all rows, each row's result
+- Q6_K products over 2-65 rows unpack each weight block once for all rows, each row's result
   bitwise its one-row result (source_fixes/q6k_columns.c), with a switch for exact mode's prompt
   passes (llama/kernels.py).
 - repacked Q4_K products take AVX-512 VNNI where the build has it, ~2.5x cheaper over rows in
-  fours and ~1.3x over one row (op timings), the 2-3 rows left over taken together, each result
-  bitwise ggml's (source_fixes/q4k_vnni.cpp).
+  fours and ~1.3x over one row (op timings), the 2-3 rows left over taken together, each row's
+  result bitwise ggml's one-row gemv's for it: a pass of any size gives a row what a one-token
+  pass gives it (source_fixes/q4k_vnni.cpp).
+- so do the repacked Q4_0 products (a requantized draft's), 1-3 rows in one call, each result
+  bitwise ggml's (source_fixes/q4_0_vnni.cpp).
 - the threads take a product over a quantized weight outside those paths (Q6_K: the output layer)
   in chunks of up to ~256 KiB of it, not 16 rows; each chunk cost ~0.7 us more with two threads
   (source_fixes/weight_chunks.c). No result changes.
@@ -168,14 +171,15 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # (source_fixes/flash_attn_grouped.cpp says how); the reference switch still takes ggml's own.
     (FA_GROUPED_FIX, _OPS, _FA_F16, _fix_text("flash_attn_grouped.cpp") + _FA_F16),
     (FA_GROUPED_FIX, _OPS, _FA_SPLIT, _fix_text("flash_attn_grouped_dispatch.cpp") + _FA_SPLIT),
-    # Q6_K weights against the 2-32 rows of a verify pass or of requests decoding together: each
+    # Q6_K weights against the 2-65 rows of a verify pass or of requests decoding together: each
     # block unpacked once for all rows, every result bitwise ggml's one-row result, and ggml's
-    # tiled matmul left to passes of 33+ rows (source_fixes/q6k_columns.c).
+    # tiled matmul left to passes of 66+ rows (source_fixes/q6k_columns.c).
     (Q6K_COLUMNS_FIX, _CPU_C, _MUL_MAT_CHUNK, _fix_text("q6k_columns.c") + _MUL_MAT_CHUNK),
     (Q6K_COLUMNS_FIX, _CPU_C, _MUL_MAT_TILES, _fix_text("q6k_columns_dispatch.c") + _MUL_MAT_TILES),
     (Q6K_COLUMNS_FIX, _CPU_C, _TILED_MM, _TILED_MM.replace("if (", "if (!homespec_q6k_columns_take(dst) && ")),
     # Repacked Q4_K weights against rows in fours and against one row with AVX-512 VNNI, every
-    # result bitwise ggml's (source_fixes/q4k_vnni.cpp); builds without VNNI keep ggml's code.
+    # row's result bitwise ggml's gemv's for it alone (source_fixes/q4k_vnni.cpp); builds without
+    # VNNI keep ggml's code.
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMV, _fix_text("q4k_vnni.cpp") + _Q4K_GEMV + _fix_text("q4k_vnni_gemv_dispatch.cpp")),
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMM, _Q4K_GEMM + _fix_text("q4k_vnni_dispatch.cpp")),
     # ... and the 2-3 rows the gemm leaves over in one call (a pass of 3 rows cost more than one of 4)

@@ -163,7 +163,7 @@ def pass_kernels(reference: bool) -> Iterator[None]:
     whatever another thread's pass asks for meanwhile (they take turns). Exact mode's target runs
     every pass inside, its decode passes on the reference kernels (docstring). Its other passes
     (prompts) leave Q6_K products of 8+ rows to ggml's tiled matmul, which gives a row the same
-    result in any such pass, where the wheel's cpu-q6k-columns would take those of up to 32 rows:
+    result in any such pass, where the wheel's cpu-q6k-columns would take those of up to 65 rows:
     so a prefix read in a pass of 20 rows equals one read in a pass of 60. (Every thread of a
     matrix product reads that switch, so no other graph may compute while it changes: homespec
     runs all passes on one thread, the daemon's worker.)"""

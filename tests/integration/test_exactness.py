@@ -148,3 +148,27 @@ def test_the_same_question_again_drafts_its_remembered_answer_and_says_the_same(
         assert m is not None and m < 2 * epsilon, f"diverged at token {j} where the top-2 margin was {m}"
     same = len(first) if j is None else j  # tokens the memory held right
     assert st.accepted >= 0.8 * (same - 1) - 8  # all but the first token and the step that met the divergence
+
+
+@pytest.mark.integration
+def test_on_the_wheels_vnni_kernels_every_pass_of_up_to_65_rows_gives_a_row_its_one_token_logits() -> None:
+    """Batch noise 0 in the default mode where the wheel's VNNI kernels run (AVX-512 with VNNI, no
+    AMX): repacked Q4_K products round each row as its one-row gemv does, Q6_K's take the columns
+    kernel and attention the grouped kernel up to 65 rows (a verify pass of a 64-token draft), so
+    greedy speculation says what plain decoding says, near-ties included. Measured 0.46-0.56 at
+    4-17 rows before the gemm rounded so (2026-12-07); ggml's tiled kernels from 66 rows differ."""
+    from homespec.llama import cpu_build
+    from homespec.llama.runtime import Runtime, RuntimeOptions
+    from tests.conftest import TARGET, require
+    from tests.integration.exactness import PROBE_PROMPTS, batch_noise
+
+    options = cpu_build.installed_options()
+    if options is None or not (options.get("GGML_AVX512") and options.get("GGML_AVX512_VNNI")) or any(options.get(o) for o in cpu_build.AMX_OPTIONS):
+        pytest.skip("needs a `make install` build with AVX-512 VNNI and without AMX (the kernels whose rows are batch-invariant)")
+    rt = Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, flash_attn=True))  # the daemon's default on a CPU
+    try:
+        deltas = batch_noise(rt, PROBE_PROMPTS[:1], positions=65, sizes=(2, 4, 9, 17, 33, 65))
+    finally:
+        rt.close()
+    assert all(d == 0.0 for ds in deltas.values() for d in ds), f"max |Δlogit| alone vs in passes of 2/4/9/17/33/65 rows: {deltas}"
+

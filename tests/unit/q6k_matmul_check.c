@@ -1,10 +1,10 @@
-// ggml_mul_mat of a Q6_K weight in the installed llama.cpp build over passes of 1-34 activation
+// ggml_mul_mat of a Q6_K weight in the installed llama.cpp build over passes of 1-67 activation
 // rows: each row's result against the same row computed alone (bitwise), and against a float64
 // reference over the dequantized weights and the Q8_K rows ggml multiplies them with. Weights of
 // 2 shapes, 1-3 threads. tests/unit/test_q6k_matmul_kernel.py compiles and runs it, with and
 // without ggml's tiled matmul (GGML_CPU_TILED_MM), which takes passes of 8+ rows by default.
 // Prints per case: rows, threads, n_in, n_out, results that differ from the row alone, worst
-// relative error, results that differ from the same row in the pass of all 34 rows. With the
+// relative error, results that differ from the same row in the pass of all 67 rows. With the
 // argument "tiled-from-8" it first sets cpu-q6k-columns' switch for exact mode's prompt passes
 // (exit status 2 where the build has no such switch).
 #include <math.h>
@@ -51,7 +51,7 @@ int main(int argc, char ** argv) {
         ggml_quantize_chunk(GGML_TYPE_Q6_K, wf, wq, 0, n_out, n_in, NULL);
         float * wd = malloc(sizeof(float) * (size_t) n_in * n_out);  // the weights ggml multiplies
         ggml_get_type_traits(GGML_TYPE_Q6_K)->to_float(wq, wd, (int64_t) n_in * n_out);
-        const int m_max = 34;  // past the 32 rows the fix takes
+        const int m_max = 67;  // past the 65 rows the fix takes
         float * x = malloc(sizeof(float) * (size_t) n_in * m_max);
         for (size_t i = 0; i < (size_t) n_in * m_max; i++) x[i] = 3.0f * frand(&s);
         // the activations ggml multiplies: each row quantized to Q8_K and back

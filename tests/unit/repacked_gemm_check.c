@@ -10,8 +10,9 @@
 //
 // Usage: repacked_gemm_check q4_K|q4_0. Prints "switch 0|1 0|1" (whether the build has the switch,
 // and the kernels), then per case: rows (1-3: the gemv), n_in, n_out, results that differ between
-// the switch on and off, worst error of each (on, off) against the scalar code relative to the
-// case's largest |result|.
+// the switch on and off, results (switch on) that differ from the same row computed alone (its own
+// quantization, a one-row gemv call: a one-token pass), worst error of each (on, off) against the
+// scalar code relative to the case's largest |result|.
 #include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -128,10 +129,20 @@ int main(int argc, char ** argv) {
             for (int r = 0; r < nr; r += per_call_off) product(n, off + (size_t) r * nc, nc, w, xq + r * row_bytes, per_call_off, nc);
             if (set) set(true);
             for (int r = 0; r < nr; r += per_call_off) scalar(n, ref + (size_t) r * nc, nc, w, xq + r * row_bytes, per_call_off, nc);
-            int differ = 0;
-            for (int i = 0; i < nr * nc; i++) differ += memcmp(&on[i], &off[i], sizeof(float)) != 0;
-            printf("%d %d %d %d %.3g %.3g\n", nr, n, nc, differ, worst_error(on, ref, nr * nc), worst_error(off, ref, nr * nc));
-            free(x); free(xq); free(on); free(off); free(ref);
+            // each row alone, the switch on: quantized by itself, one gemv call (a one-token pass)
+            float * alone = malloc(sizeof(float) * (size_t) nr * nc);
+            uint8_t * row = malloc(row_bytes);
+            for (int r = 0; r < nr; r++) {
+                ggml_get_type_traits_cpu(L->row_type)->from_float(x + (size_t) r * n, row, n);
+                L->gemv(n, alone + (size_t) r * nc, nc, w, row, 1, nc);
+            }
+            int differ = 0, differ_alone = 0;
+            for (int i = 0; i < nr * nc; i++) {
+                differ += memcmp(&on[i], &off[i], sizeof(float)) != 0;
+                differ_alone += memcmp(&on[i], &alone[i], sizeof(float)) != 0;
+            }
+            printf("%d %d %d %d %d %.3g %.3g\n", nr, n, nc, differ, differ_alone, worst_error(on, ref, nr * nc), worst_error(off, ref, nr * nc));
+            free(x); free(xq); free(on); free(off); free(ref); free(alone); free(row);
         }
         free(w);
     }

@@ -1,12 +1,14 @@
-    // homespec (FA_GROUPED_FIX): fewer query rows than a tile go through the grouped kernel,
-    // one unit of work per KV head of each stream (and per block of rows where there are more
-    // threads than that), ahead of the split over the history that one row after 512 positions
-    // takes; with fewer units than threads, ggml's own paths as before
+    // homespec (FA_GROUPED_FIX): passes of up to 65 query rows (every verify pass of a draft of up
+    // to 64 tokens, speculation.k_max's default: ggml's tiled kernel would take those of 64-65 and
+    // give their rows other bits than a one-row pass) go through the grouped kernel, one unit of
+    // work per KV head of each stream (and per block of rows where there are more threads than
+    // that), ahead of the split over the history that one row after 512 positions takes; with
+    // fewer units than threads, ggml's own paths as before
     {
         const int64_t rk2g = (nek2 > 0 && neq2 % nek2 == 0) ? neq2/nek2 : 0;
         bool use_grouped = !use_ref && rk2g > 0 && rk2g <= (int64_t) ggml_fa_tile_config::Q && nev2 == nek2 &&
                            q->type == GGML_TYPE_F32 && kv_is_f32_or_f16 && k->type == v->type &&
-                           neq1 < (int64_t) ggml_fa_tile_config::Q;
+                           neq1 <= 65;
 #if defined(GGML_SIMD) && !defined(__x86_64__) && !defined(_M_X64)
 #if defined(__ARM_FEATURE_SVE)
         use_grouped &= (DV % svcntw() == 0);

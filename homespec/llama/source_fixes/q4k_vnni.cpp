@@ -8,10 +8,14 @@
 // and each row adds its products with vpdpbusd straight into 32-bit sums, four bytes of its
 // activations broadcast from memory.
 //
-// Every result is bitwise ggml's: the integer sums are exact on both paths (ggml's 16-bit partial
-// sums hold at most 16 products of 15 x 127), and the float steps are ggml's, in its order: per
-// pair of sub-blocks, sum x (column d x row d) into one accumulator and min-sum x (column dmin x
-// row d) into another, one fused multiply-add each, their difference stored at the end.
+// Every row's result is bitwise the one ggml's gemv gives that row alone (a one-token pass): the
+// integer sums are exact on every path (ggml's 16-bit partial sums hold at most 16 products of
+// 15 x 127), and the float steps are the gemv's, in its order: per super-block of 256 values, sum x
+// (column d x row d) into one accumulator and min-sum x (column dmin x row d) into another, one
+// fused multiply-add each, their difference stored at the end. ggml's own gemm rounds every 64
+// values instead, so a row's logits depended on how many rows shared its pass (up to 0.56 apart
+// at 4-17 rows against one, the 1.5B target after 30 tokens, 2026-12-07), and greedy speculation
+// left plain decoding's text at near-ties; with this gemm they were 0 apart at 2-17 rows.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HOMESPEC_Q4K_VNNI 1
 #include <atomic>
@@ -87,58 +91,71 @@ static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
                     _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].d)), _mm_loadu_si128((const __m128i *) b1[ib].d), 1));
                 const __m512 col_dmin = _mm512_cvtph_ps(_mm256_inserti128_si256(
                     _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].dmin)), _mm_loadu_si128((const __m128i *) b1[ib].dmin), 1));
-                __m512 dd[4], dd_min[4];  // [row] x 16 columns: column scale x row scale, as ggml multiplies them
+                // The mins first: each row's exact sum of min x activation sum over the super-block,
+                // then its one fused multiply-add (column dmin x row d), as the gemv does it
+                __m512i imin[4];  // [row] x 16 columns int32
                 for (int r = 0; r < 4; r++) {
-                    dd[r] = _mm512_mul_ps(col_d, _mm512_set1_ps(a[ib].d[r]));
-                    dd_min[r] = _mm512_mul_ps(col_dmin, _mm512_set1_ps(a[ib].d[r]));
+                    imin[r] = _mm512_setzero_si512();
                 }
-                for (int sb = 0; sb < QK_K / 64; sb++) {  // a pair of 32-value sub-blocks: low nibbles, high nibbles
-                    const __m128i sm0_lo = homespec_q4k_scales_mins(b0[ib].scales + 24 * sb);
-                    const __m128i sm1_lo = homespec_q4k_scales_mins(b1[ib].scales + 24 * sb);
-                    const __m128i sm0_hi = homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb);
-                    const __m128i sm1_hi = homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb);
-                    const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm0_lo, sm1_lo));  // [16 columns]
-                    const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm0_hi, sm1_hi));
-                    const __m128i min_lo = _mm_unpackhi_epi64(sm0_lo, sm1_lo);  // [16 columns] bytes
-                    const __m128i min_hi = _mm_unpackhi_epi64(sm0_hi, sm1_hi);
+                for (int sb = 0; sb < QK_K / 64; sb++) {
+                    const __m128i min_lo = _mm_unpackhi_epi64(homespec_q4k_scales_mins(b0[ib].scales + 24 * sb),
+                                                              homespec_q4k_scales_mins(b1[ib].scales + 24 * sb));  // [16 columns] bytes
+                    const __m128i min_hi = _mm_unpackhi_epi64(homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb),
+                                                              homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb));
                     // 16-bit pairs (low sub-block's min, high sub-block's min), one per column lane
                     const __m512i mins = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
                         _mm256_castsi128_si256(_mm_unpacklo_epi8(min_lo, min_hi)), _mm_unpackhi_epi8(min_lo, min_hi), 1));
-
-                    __m512i w_lo[8], w_hi[8];  // [4 x 8 values: first or second four] x 16 columns x 4 bytes
+                    for (int r = 0; r < 4; r++) {
+                        // The row's sums over each 32-value sub-block, from its four 16-value sums
+                        const int16_t * bsums = a[ib].bsums + 16 * sb + 4 * r;
+                        const uint32_t bsum_pair = (uint16_t) (bsums[0] + bsums[1]) | ((uint32_t) (uint16_t) (bsums[2] + bsums[3]) << 16);
+                        imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(_mm512_set1_epi32((int32_t) bsum_pair), mins));
+                    }
+                }
+                for (int r = 0; r < 4; r++) {
+                    acc_min[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(col_dmin, _mm512_set1_ps(a[ib].d[r])), acc_min[r]);
+                }
+                __m512i isum[4];  // [row] x 16 columns: the super-block's exact sums of scale x weight x activation
+                for (int r = 0; r < 4; r++) {
+                    isum[r] = _mm512_setzero_si512();
+                }
+                for (int sb = 0; sb < QK_K / 64; sb++) {  // a pair of 32-value sub-blocks: low nibbles, high nibbles
+                    const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(homespec_q4k_scales_mins(b0[ib].scales + 24 * sb),
+                                                                                     homespec_q4k_scales_mins(b1[ib].scales + 24 * sb)));  // [16 columns]
+                    const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb),
+                                                                                     homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb)));
                     const uint8_t * q0 = b0[ib].qs + 256 * sb;
                     const uint8_t * q1 = b1[ib].qs + 256 * sb;
-                    for (int q = 0; q < 4; q++) {
+                    __m512i dot_lo[4], dot_hi[4];  // [row] x 16 columns int32
+                    for (int r = 0; r < 4; r++) {
+                        dot_lo[r] = _mm512_setzero_si512();
+                        dot_hi[r] = _mm512_setzero_si512();
+                    }
+                    for (int q = 0; q < 4; q++) {  // 8 values of each column: 4 in the first lane, 4 in the second
                         const __m512i raw0 = _mm512_loadu_si512((const void *) (q0 + 64 * q));
                         const __m512i raw1 = _mm512_loadu_si512((const void *) (q1 + 64 * q));
                         const __m512i first = _mm512_permutex2var_epi32(raw0, even, raw1);
                         const __m512i second = _mm512_permutex2var_epi32(raw0, odd, raw1);
-                        w_lo[2 * q] = _mm512_and_si512(first, m4);
-                        w_lo[2 * q + 1] = _mm512_and_si512(second, m4);
-                        w_hi[2 * q] = _mm512_and_si512(_mm512_srli_epi16(first, 4), m4);
-                        w_hi[2 * q + 1] = _mm512_and_si512(_mm512_srli_epi16(second, 4), m4);
+                        const __m512i w_lo0 = _mm512_and_si512(first, m4);
+                        const __m512i w_lo1 = _mm512_and_si512(second, m4);
+                        const __m512i w_hi0 = _mm512_and_si512(_mm512_srli_epi16(first, 4), m4);
+                        const __m512i w_hi1 = _mm512_and_si512(_mm512_srli_epi16(second, 4), m4);
+                        for (int r = 0; r < 4; r++) {
+                            // Row r's value k of this super-block sits at byte ((k/8)*4 + r)*8 + k%8.
+                            const int8_t * qa_lo = a[ib].qs + (8 * sb * 4 + r) * 8 + 32 * q;        // k = 64 sb + 8 q + ...
+                            const int8_t * qa_hi = a[ib].qs + ((8 * sb + 4) * 4 + r) * 8 + 32 * q;  // k = 64 sb + 32 + 8 q + ...
+                            dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], w_lo0, homespec_bcast4(qa_lo));
+                            dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], w_lo1, homespec_bcast4(qa_lo + 4));
+                            dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], w_hi0, homespec_bcast4(qa_hi));
+                            dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], w_hi1, homespec_bcast4(qa_hi + 4));
+                        }
                     }
                     for (int r = 0; r < 4; r++) {
-                        // Row r's value k of this super-block sits at byte ((k/8)*4 + r)*8 + k%8.
-                        const int8_t * qa_lo = a[ib].qs + (8 * sb * 4 + r) * 8;        // k = 64 sb + ...
-                        const int8_t * qa_hi = a[ib].qs + ((8 * sb + 4) * 4 + r) * 8;  // k = 64 sb + 32 + ...
-                        __m512i dot_lo = _mm512_setzero_si512();  // [16 columns] int32
-                        __m512i dot_hi = _mm512_setzero_si512();
-                        for (int q = 0; q < 4; q++) {
-                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q], homespec_bcast4(qa_lo + 32 * q));
-                            dot_lo = _mm512_dpbusd_epi32(dot_lo, w_lo[2 * q + 1], homespec_bcast4(qa_lo + 32 * q + 4));
-                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q], homespec_bcast4(qa_hi + 32 * q));
-                            dot_hi = _mm512_dpbusd_epi32(dot_hi, w_hi[2 * q + 1], homespec_bcast4(qa_hi + 32 * q + 4));
-                        }
-                        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(dot_lo, scale_lo), _mm512_mullo_epi32(dot_hi, scale_hi));
-                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dd[r], acc[r]);
-
-                        // The row's sums over each 32-value sub-block, from its four 16-value sums
-                        const int16_t * bsums = a[ib].bsums + 16 * sb + 4 * r;
-                        const uint32_t bsum_pair = (uint16_t) (bsums[0] + bsums[1]) | ((uint32_t) (uint16_t) (bsums[2] + bsums[3]) << 16);
-                        const __m512i imin = _mm512_madd_epi16(_mm512_set1_epi32((int32_t) bsum_pair), mins);
-                        acc_min[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), dd_min[r], acc_min[r]);
+                        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[r], scale_lo), _mm512_mullo_epi32(dot_hi[r], scale_hi)));
                     }
+                }
+                for (int r = 0; r < 4; r++) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(col_d, _mm512_set1_ps(a[ib].d[r])), acc[r]);
                 }
             }
             for (int r = 0; r < 4; r++) {

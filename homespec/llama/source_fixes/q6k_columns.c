@@ -110,12 +110,14 @@ GGML_BACKEND_API void homespec_cpu_set_q6k_tiled_from_8(bool on) {
 }
 
 #if defined(__AVX2__)
-// The passes this kernel takes: a Q6_K weight (2-D) against 2-32 activation rows (f32, which ggml
-// quantizes to Q8_K), or 2-7 while homespec_q6k_tiled_from_8 is set. ggml's tiled matmul would take
-// those of 8+ rows; for a Q6_K weight against 8-32 rows it ran 1.1-2.8x slower than this on a 2-core
-// AVX-512 EPYC (ggml_mul_mat, the 1.5B target's output layer), and the results now stay bitwise
-// those of one row.
-#define HOMESPEC_Q6K_COLS_MAX_ROWS 32
+// The passes this kernel takes: a Q6_K weight (2-D) against 2-65 activation rows (f32, which ggml
+// quantizes to Q8_K): every verify pass of a draft of up to 64 tokens (speculation.k_max's default),
+// or 2-7 while homespec_q6k_tiled_from_8 is set. ggml's tiled matmul would take those of 8+ rows;
+// for a Q6_K weight against 8-32 rows it ran 1.1-2.8x slower than this on a 2-core AVX-512 EPYC
+// (ggml_mul_mat, the 1.5B target's output layer; 33 rows 52-57 against 76 ms, 64 rows 97-104
+// against 87-90, and whole target passes of 33-65 rows 0.95-1.01x with this), and the results
+// stay bitwise those of one row.
+#define HOMESPEC_Q6K_COLS_MAX_ROWS 65
 #define HOMESPEC_Q6K_BELOW_TILED 7  // tiled.cpp's ggml_tiled_min_batch: 8+ rows
 static bool homespec_q6k_columns_take(const struct ggml_tensor * dst) {
     const struct ggml_tensor * w = dst->src[0];
