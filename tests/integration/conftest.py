@@ -35,7 +35,8 @@ def draft_rt():
 
 @pytest.fixture(scope="session")
 def epsilon(target_rt):
-    """llama.cpp's batch noise on this machine: the near-tie threshold of DESIGN.md's rule (b)."""
+    """llama.cpp's batch noise on this machine, decode passes and a prompt's wide pass: the
+    near-tie threshold of DESIGN.md's rule (b)."""
     from tests.integration.exactness import measure_batch_noise
 
     return measure_batch_noise(target_rt)
