@@ -182,7 +182,8 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # VNNI keep ggml's code.
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMV, _fix_text("q4k_vnni.cpp") + _Q4K_GEMV + _fix_text("q4k_vnni_gemv_dispatch.cpp")),
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMM, _Q4K_GEMM + _fix_text("q4k_vnni_dispatch.cpp")),
-    # ... and the 2-3 rows the gemm leaves over in one call (a pass of 3 rows cost more than one of 4)
+    # ... and the 2-3 rows the gemm leaves over in one call (a pass of 3 rows cost more than one of 4):
+    # one hook in ggml's row loop for both VNNI layouts, Q4_K and Q4_0 (Q4_0_VNNI_FIX declares its query)
     (Q4K_VNNI_FIX, _REPACK, _REPACK_INCLUDES, _REPACK_INCLUDES + _fix_text("q4k_vnni_rows_decl.cpp")),
     (Q4K_VNNI_FIX, _REPACK, _REPACK_ROW_LOOP, _fix_text("q4k_vnni_rows.cpp") + _REPACK_ROW_LOOP),
     # Repacked Q4_0 weights (the draft's) against 1-3 rows in one call and rows in fours, with AVX-512
@@ -191,7 +192,6 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     (Q4_0_VNNI_FIX, _X86_REPACK, _Q4_0_GEMV, _fix_text("q4_0_vnni.cpp") + _Q4_0_GEMV + _fix_text("q4_0_vnni_gemv_dispatch.cpp")),
     (Q4_0_VNNI_FIX, _X86_REPACK, _Q4_0_GEMM, _Q4_0_GEMM + _fix_text("q4_0_vnni_dispatch.cpp")),
     (Q4_0_VNNI_FIX, _REPACK, _REPACK_INCLUDES, _REPACK_INCLUDES + _fix_text("q4_0_vnni_rows_decl.cpp")),
-    (Q4_0_VNNI_FIX, _REPACK, _REPACK_ROW_LOOP, _fix_text("q4_0_vnni_rows.cpp") + _REPACK_ROW_LOOP),
     # A product over a quantized weight (outside the repacked and tiled paths: Q6_K) in chunks of
     # up to ~256 KiB of weight rows rather than 16 rows, which cost ~0.7 us each with two threads
     # (source_fixes/weight_chunks.c).

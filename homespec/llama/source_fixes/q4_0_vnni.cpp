@@ -128,7 +128,7 @@ static void homespec_gemm_q4_0_8x8_q8_0_vnni(int n, float * GGML_RESTRICT s, siz
 extern "C" {
 // Whether ggml_gemv_q4_0_8x8_q8_0 takes 2-3 rows of n values in one call now (its `nr`; ggml's own
 // takes one): the row loop ggml's repack.cpp runs after the gemm asks before it calls
-// (q4_0_vnni_rows.cpp).
+// (q4k_vnni_rows.cpp, the hook of both layouts).
 bool homespec_q4_0_gemv_takes_rows(int n);
 bool homespec_q4_0_gemv_takes_rows(int n) {
 #if defined(HOMESPEC_Q4_0_VNNI)
