@@ -38,9 +38,9 @@ as published:
   bitwise its one-row result (source_fixes/q6k_columns.c), with a switch for exact mode's prompt
   passes (llama/kernels.py).
 - repacked Q4_K products take AVX-512 VNNI where the build has it, ~2.5x cheaper over rows in
-  fours and ~1.3x over one row (op timings), the 2-3 rows left over taken together, each row's
-  result bitwise ggml's one-row gemv's for it: a pass of any size gives a row what a one-token
-  pass gives it (source_fixes/q4k_vnni.cpp).
+  fours and ~1.3x over one row (op timings), each block of weights decoded once for up to 16 rows
+  and the 1-3 rows after the fours, each row's result bitwise ggml's one-row gemv's for it: a pass
+  of any size gives a row what a one-token pass gives it (source_fixes/q4k_vnni.cpp).
 - so do the repacked Q4_0 products (a requantized draft's), 1-3 rows in one call, each result
   bitwise ggml's (source_fixes/q4_0_vnni.cpp).
 - the threads take a product over a quantized weight outside those paths (Q6_K: the output layer)
@@ -147,6 +147,7 @@ _Q4_0_GEMM = "void ggml_gemm_q4_0_8x8_q8_0" + _Q4K_ARGS  # a dispatch first in i
 _REPACK = "ggml/src/ggml-cpu/repack.cpp"
 _REPACK_INCLUDES = "#include <cstring>\n"  # the row loop's declaration after it
 _REPACK_ROW_LOOP = "        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {\n"  # the rows the gemm leaves, one at a time
+_REPACK_GEMM = "        // If there are more than three rows in src1, use gemm; otherwise, use gemv.\n"  # ggml's gemm call after it
 
 # Changes to llama-cpp-python's llama.cpp only (the bench's peer, a later ggml, has no use_ref). A
 # fix may take several entries of one name.
@@ -186,6 +187,8 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     # one hook in ggml's row loop for both VNNI layouts, Q4_K and Q4_0 (Q4_0_VNNI_FIX declares its query)
     (Q4K_VNNI_FIX, _REPACK, _REPACK_INCLUDES, _REPACK_INCLUDES + _fix_text("q4k_vnni_rows_decl.cpp")),
     (Q4K_VNNI_FIX, _REPACK, _REPACK_ROW_LOOP, _fix_text("q4k_vnni_rows.cpp") + _REPACK_ROW_LOOP),
+    # ... or, past four rows, in the gemm's own call: each block of weights read and unpacked once for all rows
+    (Q4K_VNNI_FIX, _REPACK, _REPACK_GEMM, _fix_text("q4k_vnni_rest.cpp") + _REPACK_GEMM),
     # Repacked Q4_0 weights (the draft's) against 1-3 rows in one call and rows in fours, with AVX-512
     # VNNI, every result bitwise ggml's (source_fixes/q4_0_vnni.cpp): a draft step's pass over 2
     # tokens cost 1.5x one over 1.

@@ -52,15 +52,16 @@ struct layout {
     quantize_mat_fn quantize4;
     product_fn gemm, gemm_scalar, gemv, gemv_scalar;
     switch_fn set;  // the fix's switch (weak: null where the build lacks the fix)
+    bool gemm_takes_rest;  // the fix's gemm takes the 1-3 rows after the fours in the same call
 };
 
 static const struct layout LAYOUTS[] = {
     { "q4_K", 256, 2 * 8 + 2 * 8 + 96 + 1024, 16, 4 + 256 + (256 / 16) * 2, 4 * 4 + 256 * 4 + (256 / 4) * 2, GGML_TYPE_Q8_K,
       ggml_quantize_mat_q8_K_4x8, ggml_gemm_q4_K_8x8_q8_K, ggml_gemm_q4_K_8x8_q8_K_generic,
-      ggml_gemv_q4_K_8x8_q8_K, ggml_gemv_q4_K_8x8_q8_K_generic, homespec_cpu_set_q4k_vnni },
+      ggml_gemv_q4_K_8x8_q8_K, ggml_gemv_q4_K_8x8_q8_K_generic, homespec_cpu_set_q4k_vnni, true },
     { "q4_0", 32, 2 * 8 + 128, 8, 2 + 32, 2 * 4 + 128, GGML_TYPE_Q8_0,
       ggml_quantize_mat_q8_0_4x8, ggml_gemm_q4_0_8x8_q8_0, ggml_gemm_q4_0_8x8_q8_0_generic,
-      ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_q4_0_8x8_q8_0_generic, homespec_cpu_set_q4_0_vnni },
+      ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_q4_0_8x8_q8_0_generic, homespec_cpu_set_q4_0_vnni, false },
 };
 
 static double worst_error(const float * got, const float * ref, int count) {
@@ -89,7 +90,9 @@ int main(int argc, char ** argv) {
     const bool kernels = set && set(true);
     printf("switch %d %d\n", set ? 1 : 0, (int) kernels);
     const int shapes[][2] = { { 1536, 64 }, { 512, 24 } };  // (n_in, n_out): a model's rows, and an odd number of 8-column groups
-    const int rows[] = { 1, 2, 3, 4, 8, 12, 16, 20, 32, 36 };  // 1-3: the gemv; ggml's gemm: 4-row tiles, 16-row tiles from 16 rows on
+    // 1-3: the gemv; ggml's gemm: 4-row tiles, 16-row tiles from 16 rows on; 5, 7, 9, 19: fours and the
+    // rows after them, which the q4_K fix's gemm takes in the same call
+    const int rows[] = { 1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 19, 20, 32, 36 };
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
         const int n = shapes[si][0], nc = shapes[si][1], nb = n / L->qk;
         unsigned s = 11u + (unsigned) n;
@@ -107,28 +110,31 @@ int main(int argc, char ** argv) {
             const int nr = rows[ri];
             float * x = malloc(sizeof(float) * (size_t) n * nr);
             for (size_t i = 0; i < (size_t) n * nr; i++) x[i] = ((float) (rnd(&s) % 20001) / 10000.0f - 1.0f) * (1.0f + (float) (i % 7));
-            uint8_t * xq;
-            product_fn product = L->gemm, scalar = L->gemm_scalar;
-            if (nr < 4) {  // one row after another, as ggml quantizes the rows its gemm leaves
-                xq = malloc(L->row_bytes * nb * nr);
-                for (int r = 0; r < nr; r++) ggml_get_type_traits_cpu(L->row_type)->from_float(x + (size_t) r * n, xq + (size_t) r * nb * L->row_bytes, n);
-                product = L->gemv, scalar = L->gemv_scalar;
-            } else {
-                xq = malloc(L->rows4_bytes * nb * (nr / 4));
-                for (int g = 0; g < nr / 4; g++) L->quantize4(x + (size_t) g * 4 * n, xq + (size_t) g * nb * L->rows4_bytes, n);
-            }
+            // as ggml quantizes a pass's rows: the fours interleaved, then the rest one after another
+            // (four interleaved rows take the bytes of four rows)
+            const size_t row_bytes = L->row_bytes * nb;
+            const int fours = nr - nr % 4;
+            uint8_t * xq = malloc(row_bytes * nr);
+            for (int g = 0; g < fours / 4; g++) L->quantize4(x + (size_t) g * 4 * n, xq + (size_t) g * 4 * row_bytes, n);
+            for (int r = fours; r < nr; r++) ggml_get_type_traits_cpu(L->row_type)->from_float(x + (size_t) r * n, xq + r * row_bytes, n);
             float * on = malloc(sizeof(float) * (size_t) nr * nc);
             float * off = malloc(sizeof(float) * (size_t) nr * nc);
             float * ref = malloc(sizeof(float) * (size_t) nr * nc);
-            // a gemv call takes several rows only where the fix's kernels are built; ggml's takes one
-            const int per_call = nr >= 4 || kernels ? nr : 1, per_call_off = nr >= 4 ? nr : 1;
-            const size_t row_bytes = L->row_bytes * nb;
+            // The switch on, as ggml's row loop calls the fix's kernels: the fours and the rest in one
+            // gemm call (q4_K), or the rest in one gemv call; ggml's own code takes one row per gemv call.
             if (set) set(true);
-            for (int r = 0; r < nr; r += per_call) product(n, on + (size_t) r * nc, nc, w, xq + r * row_bytes, per_call, nc);
+            if (kernels && fours && nr > fours && L->gemm_takes_rest) {
+                L->gemm(n, on, nc, w, xq, nr, nc);
+            } else {
+                if (fours) L->gemm(n, on, nc, w, xq, fours, nc);
+                for (int r = fours; r < nr; r += kernels ? nr - fours : 1) L->gemv(n, on + (size_t) r * nc, nc, w, xq + r * row_bytes, kernels ? nr - fours : 1, nc);
+            }
             if (set) set(false);
-            for (int r = 0; r < nr; r += per_call_off) product(n, off + (size_t) r * nc, nc, w, xq + r * row_bytes, per_call_off, nc);
+            if (fours) L->gemm(n, off, nc, w, xq, fours, nc);
+            for (int r = fours; r < nr; r++) L->gemv(n, off + (size_t) r * nc, nc, w, xq + r * row_bytes, 1, nc);
             if (set) set(true);
-            for (int r = 0; r < nr; r += per_call_off) scalar(n, ref + (size_t) r * nc, nc, w, xq + r * row_bytes, per_call_off, nc);
+            if (fours) L->gemm_scalar(n, ref, nc, w, xq, fours, nc);
+            for (int r = fours; r < nr; r++) L->gemv_scalar(n, ref + (size_t) r * nc, nc, w, xq + r * row_bytes, 1, nc);
             // each row alone, the switch on: quantized by itself, one gemv call (a one-token pass)
             float * alone = malloc(sizeof(float) * (size_t) nr * nc);
             uint8_t * row = malloc(row_bytes);

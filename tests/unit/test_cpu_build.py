@@ -257,6 +257,7 @@ void ggml_gemm_q4_K_8x8_q8_K{_Q4K_ARGS}
 
 # The two lines of ggml-cpu/repack.cpp the row loop's declaration and its call are written at.
 GENERIC_REPACK = """#include <cstring>
+        // If there are more than three rows in src1, use gemm; otherwise, use gemv.
         if (nrows > 3) {
         }
         for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {
@@ -314,7 +315,8 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_q4k
     gemv, gemm = q4k.index("void ggml_gemv_q4_K_8x8_q8_K("), q4k.index("void ggml_gemm_q4_K_8x8_q8_K(")
     kernels = [q4k.index("static void homespec_gemv_q4_K_8x8_q8_K_vnni("), q4k.index("static void homespec_gemm_q4_K_8x8_q8_K_vnni(")]
     gemv_call = q4k.index("homespec_gemv_q4_K_8x8_q8_K_vnni<1>(n, s, bs, vx, vy, nc);")
-    gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_vnni(n, s, bs, vx, vy, nr, nc);")
+    gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_vnni<1>(n, s, bs, vx, vy, nr, nc);")
+    assert "homespec_gemm_q4_K_8x8_q8_K_vnni<4>(n, s, bs, vx, vy, nr, nc);" in q4k
     assert max(kernels) < gemv < gemv_call < q4k.index("    const int qk = QK_K;") < gemm < gemm_call < q4k.rindex("    const int qk = QK_K;")
     assert f"bool {cb.Q4K_VNNI_SWITCH_SYMBOL}(bool on) {{" in q4k
     # the row loop after ggml's gemm hands the 2-3 rows it leaves to one gemv call first, asking the
@@ -324,6 +326,11 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_q4k
     asked = rows.index("homespec_q4k_gemv_takes_rows()")
     assert rows.index("#include <cstring>") < declared < asked < rows.index("        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {")
     assert "bool homespec_q4k_gemv_takes_rows(void) {" in q4k and "homespec_gemv_q4_K_8x8_q8_K_vnni<3>(n, s, bs, vx, vy, nc);" in q4k
+    # ... and before ggml's gemm call, past four rows, hands the Q4_K gemm all of a chunk's rows, the
+    # 1-3 after the fours included, on the same question
+    rest = rows.index("if (nrows > 4 && nrows % 4 != 0 && homespec_q4k_gemv_takes_rows && homespec_q4k_gemv_takes_rows()) {")
+    assert declared < rest < rows.index("        if (nrows > 3) {")
+    assert "src0_ptr + src0_start * nb01, src1_ptr, (int) nrows, ncols);" in rows[rest:rows.index("        if (nrows > 3) {")]
     # the same for Q4_0 (the draft's): kernels before ggml's gemv, one dispatch first in each of its
     # gemv and gemm, and the row loop asks the x86 file about them too (both questions before it)
     q4_0_gemv, q4_0_gemm = q4k.index("void ggml_gemv_q4_0_8x8_q8_0("), q4k.index("void ggml_gemm_q4_0_8x8_q8_0(")
@@ -335,7 +342,7 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_q4k
     declared = rows.index('extern "C" __attribute__((weak)) bool homespec_q4_0_gemv_takes_rows(int n);')
     asked = rows.index("homespec_q4_0_gemv_takes_rows((int) ne00)")
     assert rows.index("#include <cstring>") < declared < asked < rows.index("        for (int iter = nrows - (nrows % 4); iter < nrows; iter++) {")
-    assert rows.count("std::is_same_v<BLOC_TYPE, block_q4_0>") == 1 and rows.count("std::is_same_v<BLOC_TYPE, block_q4_K>") == 1
+    assert rows.count("std::is_same_v<BLOC_TYPE, block_q4_0>") == 1 and rows.count("std::is_same_v<BLOC_TYPE, block_q4_K>") == 2
     assert cb.fix_source(tree, cb.WHEEL_FIXES) and cpu.read_text() == fixed and ops.read_text() == attention  # once only
     assert mul_mat.read_text() == products and repack.read_text() == q4k and generic.read_text() == rows
     assert cb.fix_names() == WHEEL_FIX_NAMES  # the wheel's key and stamp

@@ -1,7 +1,8 @@
 """Repacked products in the installed llama.cpp build: tests/unit/repacked_gemm_check.c, compiled
 against the wheel's headers and libraries, calls ggml's exported gemm (activation rows in fours)
 and gemv (1-3 rows, several in one call where the fix takes them) of two layouts, each with its
-fix switched on and off, and ggml's scalar versions of both. No weights.
+fix switched on and off, and ggml's scalar versions of both; past four rows, the rows after the
+fours in the gemm's own call where the fix takes them there (q4_K). No weights.
 - q4_K_8x8, which every Q4_K weight of the target takes where weights are repacked: cpu_build's
   Q4K_VNNI_FIX;
 - q4_0_8x8, the requantized Q4_0 draft's: Q4_0_VNNI_FIX.
@@ -74,7 +75,7 @@ def test_the_check_names_an_unknown_layout_and_stops(exe: Path) -> None:
 
 def test_repacked_products_match_ggmls_scalar_code_at_every_row_count(run: tuple[str, list[Case]]) -> None:
     _, cases = run
-    assert {c[0] for c in cases} == {1, 2, 3, 4, 8, 12, 16, 20, 32, 36} and len(cases) == 20
+    assert {c[0] for c in cases} == {1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 19, 20, 32, 36} and len(cases) == 28
     bad = [c for c in cases if not (c[5] <= MAX_REL_ERR and c[6] <= MAX_REL_ERR)]  # NaN is bad too
     assert not bad, f"(rows, inputs, outputs, differing, differing alone, error on, error off) beyond {MAX_REL_ERR}: {bad}"
 

@@ -1,5 +1,6 @@
 // homespec (cpu_build.py, Q4K_VNNI_FIX): ggml's repacked Q4_K weights (block_q4_Kx8) against rows
-// of activations in fours (block_q8_Kx4) and against 1-3 rows (block_q8_K), with AVX-512 VNNI.
+// of activations in fours (block_q8_Kx4), the 1-3 after them in the same call, and 1-3 rows alone
+// (block_q8_K), with AVX-512 VNNI.
 //
 // ggml 0.25.3's gemm for this layout multiplies with AVX2's maddubs, then widens, shuffles and
 // adds the 16-bit products of every row; on a 2-core EPYC a 4-row product cost as much as four
@@ -53,113 +54,199 @@ static inline void homespec_prefetch_q4_Kx8(const block_q4_Kx8 * p) {
     }
 }
 
-// Rows in fours (nr % 4 == 0), columns in groups of 8 (nc % 8 == 0), two groups at a time: s[row*bs
-// + col] as ggml_gemm_q4_K_8x8_q8_K writes it.
+// 8 values of each column of a column pair (64 weight bytes of each group), unpacked: the low nibbles
+// of each column's first and second 32-bit lanes, then the high nibbles of both, a column in each lane.
+static inline void homespec_q4k_unpack(const uint8_t * q0, const uint8_t * q1, __m512i even, __m512i odd, __m512i m4, __m512i * w) {
+    const __m512i raw0 = _mm512_loadu_si512((const void *) q0);
+    const __m512i raw1 = _mm512_loadu_si512((const void *) q1);
+    const __m512i first = _mm512_permutex2var_epi32(raw0, even, raw1);
+    const __m512i second = _mm512_permutex2var_epi32(raw0, odd, raw1);
+    w[0] = _mm512_and_si512(first, m4);
+    w[1] = _mm512_and_si512(second, m4);
+    w[2] = _mm512_and_si512(_mm512_srli_epi16(first, 4), m4);
+    w[3] = _mm512_and_si512(_mm512_srli_epi16(second, 4), m4);
+}
+
+// One super-block of a column pair, decoded: each sub-block pair's scales and mins, and where the
+// rows share it, its weights unpacked.
+struct homespec_q4k_block {
+    __m512i scale_lo[QK_K / 64], scale_hi[QK_K / 64];  // [sub-block pair] x 16 columns int32
+    __m512i mins[QK_K / 64];  // [sub-block pair] 16-bit pairs (low sub-block's min, high's), one per column lane
+    __m512i w[QK_K / 64][4][4];  // [sub-block pair][8 values][homespec_q4k_unpack's four] (4 KiB, in L1)
+    __m512 col_d, col_dmin;  // [16 columns]
+    const uint8_t * q0, * q1;  // the two column groups' packed weights, for rows that unpack them as they go
+};
+
+// ROWS rows' products with one decoded super-block of a column pair, added to their accumulators
+// (acc, acc_min: [ROWS] x 16 columns). Row r's value k of the super-block is at qs[r] + (k / 8) *
+// QS_STEP + k % 8 (QS_STEP 32: four rows interleaved 8 values at a time, block_q8_Kx4; 8: a row of
+// its own, block_q8_K), its 16-value sums at bsums[r] + (k / 16) % 4 + (k / 64) * BSUM_STEP, its
+// scale d[r]. Every row's integer sums are exact and its float steps the gemv's, in its order (the
+// mins, then the sums, one fused multiply-add each per super-block): so its result is bitwise the
+// gemv's for it alone, in either layout.
+template <int ROWS, int QS_STEP, int BSUM_STEP, bool UNPACK>
+static inline void homespec_q4k_rows(const homespec_q4k_block & blk, const int8_t * const * qs, const int16_t * const * bsums,
+                                     const float * d, __m512 * acc, __m512 * acc_min, __m512i even, __m512i odd, __m512i m4) {
+    __m512i imin[ROWS];  // [row] x 16 columns int32: exact sums of min x activation sum
+    for (int r = 0; r < ROWS; r++) {
+        imin[r] = _mm512_setzero_si512();
+    }
+    for (int sb = 0; sb < QK_K / 64; sb++) {
+        for (int r = 0; r < ROWS; r++) {
+            // The row's sums over each 32-value sub-block, from its four 16-value sums
+            const int16_t * bs4 = bsums[r] + BSUM_STEP * sb;
+            const uint32_t bsum_pair = (uint16_t) (bs4[0] + bs4[1]) | ((uint32_t) (uint16_t) (bs4[2] + bs4[3]) << 16);
+            imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(_mm512_set1_epi32((int32_t) bsum_pair), blk.mins[sb]));
+        }
+    }
+    __m512i isum[ROWS];  // [row] x 16 columns: exact sums of scale x weight x activation
+    for (int r = 0; r < ROWS; r++) {
+        isum[r] = _mm512_setzero_si512();
+    }
+    for (int sb = 0; sb < QK_K / 64; sb++) {  // a pair of 32-value sub-blocks: low nibbles, high nibbles
+        __m512i dot_lo[ROWS], dot_hi[ROWS];  // [row] x 16 columns int32
+        for (int r = 0; r < ROWS; r++) {
+            dot_lo[r] = _mm512_setzero_si512();
+            dot_hi[r] = _mm512_setzero_si512();
+        }
+        for (int q = 0; q < 4; q++) {  // 8 values of each column: 4 in the first lane, 4 in the second
+            __m512i unpacked[4];
+            const __m512i * wq = blk.w[sb][q];
+            if constexpr (UNPACK) {
+                homespec_q4k_unpack(blk.q0 + 256 * sb + 64 * q, blk.q1 + 256 * sb + 64 * q, even, odd, m4, unpacked);
+                wq = unpacked;
+            }
+            for (int r = 0; r < ROWS; r++) {
+                const int8_t * qa_lo = qs[r] + (8 * sb + q) * QS_STEP;      // k = 64 sb + 8 q + ...
+                const int8_t * qa_hi = qs[r] + (8 * sb + 4 + q) * QS_STEP;  // k = 64 sb + 32 + 8 q + ...
+                dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], wq[0], homespec_bcast4(qa_lo));
+                dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], wq[1], homespec_bcast4(qa_lo + 4));
+                dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], wq[2], homespec_bcast4(qa_hi));
+                dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], wq[3], homespec_bcast4(qa_hi + 4));
+            }
+        }
+        for (int r = 0; r < ROWS; r++) {
+            isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[r], blk.scale_lo[sb]),
+                                                                 _mm512_mullo_epi32(dot_hi[r], blk.scale_hi[sb])));
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        const __m512 row_d = _mm512_set1_ps(d[r]);
+        acc_min[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(blk.col_dmin, row_d), acc_min[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(blk.col_d, row_d), acc[r]);
+    }
+}
+
+// The 1-3 rows after the fours (block_q8_K each), as homespec_q4k_rows takes them.
+template <int ROWS>
+static inline void homespec_q4k_rest(const homespec_q4k_block & blk, const block_q8_K * const * rest, int ib, __m512 * acc,
+                                     __m512 * acc_min, __m512i even, __m512i odd, __m512i m4) {
+    const int8_t * qs[ROWS];
+    const int16_t * bsums[ROWS];
+    float d[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        qs[r] = rest[r][ib].qs;
+        bsums[r] = rest[r][ib].bsums;
+        d[r] = rest[r][ib].d;
+    }
+    homespec_q4k_rows<ROWS, 8, 4, false>(blk, qs, bsums, d, acc, acc_min, even, odd, m4);
+}
+
+// Rows in fours, and the 1-3 left over after them (nr % 4; only from the row hook before ggml's
+// gemm call, q4k_vnni_rest.cpp, where the 4 rows of each group are interleaved as block_q8_Kx4 and
+// the rest follow as block_q8_K each, as ggml quantizes them), columns in groups of 8 (nc % 8 == 0),
+// two groups at a time: s[row*bs + col] as ggml's gemm and gemv write it.
+//
+// Up to GROUPS groups of four rows, and the rest, take each super-block of a column pair in turn,
+// its scales decoded and its weights unpacked once for all of them. Done per group, the decode
+// (scalar work on 12 packed bytes per column group and sub-block pair) and the unpacking (permutes,
+// masks, shifts) took about a third of the gemm at 16 rows (perf, 2026-12-07: 29 % of its samples
+// on scalar instructions); and ggml's gemv read the whole weight again for each row left over (a
+// 9-row pass cost 1.19x one of 8). Four rows alone (a pass of 4) unpack the weights where they use
+// them: storing them for one group cost 10 % more.
+template <int GROUPS>
 static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
                                              const void * GGML_RESTRICT vy, int nr, int nc) {
     const int nb = n / QK_K;  // super-blocks of 256 values per row
     const block_q4_Kx8 * b_start = (const block_q4_Kx8 *) vx;
     const block_q8_Kx4 * a_start = (const block_q8_Kx4 *) vy;
     const int ngroups = nc / 8;
+    const int nfours = nr / 4, nrest = nr % 4;
+    const block_q8_K * rest[3];  // [row] the rows after the fours, each its nb blocks
+    for (int r = 0; r < nrest; r++) {
+        rest[r] = (const block_q8_K *) (a_start + (size_t) nfours * nb) + (size_t) r * nb;
+    }
     // A load of 64 weight bytes holds 8 columns x 8 values, two 32-bit lanes per column; these
     // gather the first (even) and second (odd) lane of each column of two groups into 16 lanes.
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const bool unpack = GROUPS == 1 && nr == 4;  // four rows alone unpack as they go
+    alignas(64) homespec_q4k_block blk;
 
-    for (int y = 0; y < nr / 4; y++) {
-        const block_q8_Kx4 * a = a_start + (size_t) y * nb;
+    for (int y0 = 0; y0 < nfours; y0 += GROUPS) {
+        const int groups = std::min(GROUPS, nfours - y0);
+        const int rows = 4 * groups + (y0 + groups >= nfours ? nrest : 0);  // the rest go with the last fours
         for (int x = 0; x < ngroups; x += 2) {
             const bool pair = x + 1 < ngroups;  // an odd last group runs beside itself, half stored
             const block_q4_Kx8 * b0 = b_start + (size_t) x * nb;
             const block_q4_Kx8 * b1 = pair ? b0 + nb : b0;
-            __m512 acc[4], acc_min[4];  // [row] x 16 columns
-            for (int r = 0; r < 4; r++) {
+            __m512 acc[4 * GROUPS + 3], acc_min[4 * GROUPS + 3];  // [row] x 16 columns
+            for (int r = 0; r < 4 * GROUPS + 3; r++) {  // all: a constant count is stores, a variable one a `rep stos` (5 % of the gemm)
                 acc[r] = _mm512_setzero_ps();
                 acc_min[r] = _mm512_setzero_ps();
             }
             for (int ib = 0; ib < nb; ib++) {
-                // the next pair's super-block ib, on the first group of rows only: the later groups
-                // find the weights in cache (prefetching for them too was no faster)
-                if (y == 0 && x + 2 < ngroups) {
+                // the next pair's super-block ib, on the first rows only: the later ones find the
+                // weights in cache (prefetching for them too was no faster)
+                if (y0 == 0 && x + 2 < ngroups) {
                     homespec_prefetch_q4_Kx8(b0 + 2 * nb + ib);
                     if (x + 3 < ngroups) {
                         homespec_prefetch_q4_Kx8(b1 + 2 * nb + ib);
                     }
                 }
-                const __m512 col_d = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                blk.col_d = _mm512_cvtph_ps(_mm256_inserti128_si256(
                     _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].d)), _mm_loadu_si128((const __m128i *) b1[ib].d), 1));
-                const __m512 col_dmin = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                blk.col_dmin = _mm512_cvtph_ps(_mm256_inserti128_si256(
                     _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) b0[ib].dmin)), _mm_loadu_si128((const __m128i *) b1[ib].dmin), 1));
-                // The mins first: each row's exact sum of min x activation sum over the super-block,
-                // then its one fused multiply-add (column dmin x row d), as the gemv does it
-                __m512i imin[4];  // [row] x 16 columns int32
-                for (int r = 0; r < 4; r++) {
-                    imin[r] = _mm512_setzero_si512();
-                }
+                blk.q0 = b0[ib].qs;
+                blk.q1 = b1[ib].qs;
                 for (int sb = 0; sb < QK_K / 64; sb++) {
-                    const __m128i min_lo = _mm_unpackhi_epi64(homespec_q4k_scales_mins(b0[ib].scales + 24 * sb),
-                                                              homespec_q4k_scales_mins(b1[ib].scales + 24 * sb));  // [16 columns] bytes
-                    const __m128i min_hi = _mm_unpackhi_epi64(homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb),
-                                                              homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb));
-                    // 16-bit pairs (low sub-block's min, high sub-block's min), one per column lane
-                    const __m512i mins = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
+                    const __m128i sm_lo0 = homespec_q4k_scales_mins(b0[ib].scales + 24 * sb);
+                    const __m128i sm_lo1 = homespec_q4k_scales_mins(b1[ib].scales + 24 * sb);
+                    const __m128i sm_hi0 = homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb);
+                    const __m128i sm_hi1 = homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb);
+                    blk.scale_lo[sb] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm_lo0, sm_lo1));
+                    blk.scale_hi[sb] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(sm_hi0, sm_hi1));
+                    const __m128i min_lo = _mm_unpackhi_epi64(sm_lo0, sm_lo1);  // [16 columns] bytes
+                    const __m128i min_hi = _mm_unpackhi_epi64(sm_hi0, sm_hi1);
+                    blk.mins[sb] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
                         _mm256_castsi128_si256(_mm_unpacklo_epi8(min_lo, min_hi)), _mm_unpackhi_epi8(min_lo, min_hi), 1));
-                    for (int r = 0; r < 4; r++) {
-                        // The row's sums over each 32-value sub-block, from its four 16-value sums
-                        const int16_t * bsums = a[ib].bsums + 16 * sb + 4 * r;
-                        const uint32_t bsum_pair = (uint16_t) (bsums[0] + bsums[1]) | ((uint32_t) (uint16_t) (bsums[2] + bsums[3]) << 16);
-                        imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(_mm512_set1_epi32((int32_t) bsum_pair), mins));
-                    }
-                }
-                for (int r = 0; r < 4; r++) {
-                    acc_min[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin[r]), _mm512_mul_ps(col_dmin, _mm512_set1_ps(a[ib].d[r])), acc_min[r]);
-                }
-                __m512i isum[4];  // [row] x 16 columns: the super-block's exact sums of scale x weight x activation
-                for (int r = 0; r < 4; r++) {
-                    isum[r] = _mm512_setzero_si512();
-                }
-                for (int sb = 0; sb < QK_K / 64; sb++) {  // a pair of 32-value sub-blocks: low nibbles, high nibbles
-                    const __m512i scale_lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(homespec_q4k_scales_mins(b0[ib].scales + 24 * sb),
-                                                                                     homespec_q4k_scales_mins(b1[ib].scales + 24 * sb)));  // [16 columns]
-                    const __m512i scale_hi = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(homespec_q4k_scales_mins(b0[ib].scales + 12 + 24 * sb),
-                                                                                     homespec_q4k_scales_mins(b1[ib].scales + 12 + 24 * sb)));
-                    const uint8_t * q0 = b0[ib].qs + 256 * sb;
-                    const uint8_t * q1 = b1[ib].qs + 256 * sb;
-                    __m512i dot_lo[4], dot_hi[4];  // [row] x 16 columns int32
-                    for (int r = 0; r < 4; r++) {
-                        dot_lo[r] = _mm512_setzero_si512();
-                        dot_hi[r] = _mm512_setzero_si512();
-                    }
-                    for (int q = 0; q < 4; q++) {  // 8 values of each column: 4 in the first lane, 4 in the second
-                        const __m512i raw0 = _mm512_loadu_si512((const void *) (q0 + 64 * q));
-                        const __m512i raw1 = _mm512_loadu_si512((const void *) (q1 + 64 * q));
-                        const __m512i first = _mm512_permutex2var_epi32(raw0, even, raw1);
-                        const __m512i second = _mm512_permutex2var_epi32(raw0, odd, raw1);
-                        const __m512i w_lo0 = _mm512_and_si512(first, m4);
-                        const __m512i w_lo1 = _mm512_and_si512(second, m4);
-                        const __m512i w_hi0 = _mm512_and_si512(_mm512_srli_epi16(first, 4), m4);
-                        const __m512i w_hi1 = _mm512_and_si512(_mm512_srli_epi16(second, 4), m4);
-                        for (int r = 0; r < 4; r++) {
-                            // Row r's value k of this super-block sits at byte ((k/8)*4 + r)*8 + k%8.
-                            const int8_t * qa_lo = a[ib].qs + (8 * sb * 4 + r) * 8 + 32 * q;        // k = 64 sb + 8 q + ...
-                            const int8_t * qa_hi = a[ib].qs + ((8 * sb + 4) * 4 + r) * 8 + 32 * q;  // k = 64 sb + 32 + 8 q + ...
-                            dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], w_lo0, homespec_bcast4(qa_lo));
-                            dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], w_lo1, homespec_bcast4(qa_lo + 4));
-                            dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], w_hi0, homespec_bcast4(qa_hi));
-                            dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], w_hi1, homespec_bcast4(qa_hi + 4));
+                    if (!unpack) {
+                        for (int q = 0; q < 4; q++) {
+                            homespec_q4k_unpack(b0[ib].qs + 256 * sb + 64 * q, b1[ib].qs + 256 * sb + 64 * q, even, odd, m4, blk.w[sb][q]);
                         }
                     }
-                    for (int r = 0; r < 4; r++) {
-                        isum[r] = _mm512_add_epi32(isum[r], _mm512_add_epi32(_mm512_mullo_epi32(dot_lo[r], scale_lo), _mm512_mullo_epi32(dot_hi[r], scale_hi)));
+                }
+                for (int g = 0; g < groups; g++) {
+                    const block_q8_Kx4 * a = a_start + (size_t) (y0 + g) * nb + ib;
+                    const int8_t * qs[4] = { a->qs, a->qs + 8, a->qs + 16, a->qs + 24 };
+                    const int16_t * bsums[4] = { a->bsums, a->bsums + 4, a->bsums + 8, a->bsums + 12 };
+                    if (unpack) {
+                        homespec_q4k_rows<4, 32, 16, true>(blk, qs, bsums, a->d, acc + 4 * g, acc_min + 4 * g, even, odd, m4);
+                    } else {
+                        homespec_q4k_rows<4, 32, 16, false>(blk, qs, bsums, a->d, acc + 4 * g, acc_min + 4 * g, even, odd, m4);
                     }
                 }
-                for (int r = 0; r < 4; r++) {
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(col_d, _mm512_set1_ps(a[ib].d[r])), acc[r]);
+                switch (rows - 4 * groups) {
+                    case 1: homespec_q4k_rest<1>(blk, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
+                    case 2: homespec_q4k_rest<2>(blk, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
+                    case 3: homespec_q4k_rest<3>(blk, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
+                    default: break;
                 }
             }
-            for (int r = 0; r < 4; r++) {
-                float * out = s + (size_t) (y * 4 + r) * bs + (size_t) x * 8;
+            for (int r = 0; r < rows; r++) {
+                float * out = s + (size_t) (y0 * 4 + r) * bs + (size_t) x * 8;
                 _mm512_mask_storeu_ps(out, pair ? (__mmask16) 0xFFFF : (__mmask16) 0x00FF, _mm512_sub_ps(acc[r], acc_min[r]));
             }
         }
