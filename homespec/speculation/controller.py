@@ -117,9 +117,41 @@ PLAN_LENGTHS = (2, 3, 5, 9, 17)
 # misjudged ratio decides most steps.
 SMALL_ROWS = 8
 PAIRED_SMALL = 4
+# A size whose pass came out over BUMP x the line through its neighbours' (past the last, the line
+# through the two before it) is timed PAIRED_SMALL times more: a size priced too dear is never
+# chosen, so no live step ever corrects it. A 2-core VM's noise put 6 rows at 71 ms between 5 at
+# 43 and 8 at 85, and 65 at 792 where the pass takes ~600 (2026-12-07, `homespec bench` warm-up):
+# auto then drafted 4 tokens at a time in edits. A real step in the curve (a kernel's tile filling)
+# is timed again and kept.
+BUMP = 1.15
 # Failed probes stretch a proposer's probe interval to at most explore_every * 2**MAX_BACKOFF
 # steps (256 at the default 32: ~25 s of generation on 2 cores).
 MAX_BACKOFF = 3
+
+
+def _paired(ones: Sequence[float], ratios: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """Seconds per pass size from paired timings: the median one-token pass times each size's
+    median ratio to the one-token pass before it."""
+    one_s = float(np.median(ones))
+    return {1: one_s} | {n: one_s * float(np.median(r)) for n, r in ratios.items()}
+
+
+def calibration_bumps(samples: Mapping[int, float], bump: float = BUMP) -> list[int]:
+    """Sizes whose pass (seconds, samples[n]) exceeds `bump` x the line through the sizes on either
+    side of it, or, for the largest, the line through the two below it."""
+    ns = sorted(samples)
+    out = []
+    for i in range(1, len(ns)):
+        if i + 1 < len(ns):
+            (a, b), n = (ns[i - 1], ns[i + 1]), ns[i]
+        elif i >= 2:
+            (a, b), n = (ns[i - 2], ns[i - 1]), ns[i]
+        else:
+            continue
+        line = samples[a] + (samples[b] - samples[a]) * (n - a) / (b - a)
+        if samples[n] > bump * line:
+            out.append(n)
+    return out
 
 
 class AcceptanceKey(NamedTuple):
@@ -344,6 +376,10 @@ class Controller:
         another put a one-token pass at 34 ms where the run's plain steps took 25.5-29 (2026-12-07,
         `homespec bench`), and auto drafted in chat at 0.96x of plain, expecting 1.28x.
 
+        A size that comes out dearer than the line through its neighbours (calibration_bumps) is
+        timed PAIRED_SMALL times more, its median taken over all its pairs: noise that prices a size
+        too dear is never corrected by a live step, as no step then takes that size.
+
         Sizes default to a spread over 1..k_max + 1 (interpolated between), which keeps warm-up
         to a few seconds on a CPU; past 12 rows, every doubling or so (a CPU's curve bends there,
         as a kernel's tiles fill, and a straight line from 12 to 65 rows would misprice 17-33)."""
@@ -359,8 +395,13 @@ class Controller:
                 ratios[n].append(time_pass(n) / one)
         if not ones:  # (sizes: 1 alone)
             ones = [time_pass(1) for _ in range(passes)]
-        one_s = float(np.median(ones))
-        samples = {n: one_s * float(np.median(ratios[n])) if n in ratios else one_s for n in sizes}
+        samples = _paired(ones, ratios)
+        for n in calibration_bumps(samples):
+            for _ in range(PAIRED_SMALL):
+                one = time_pass(1)
+                ones.append(one)
+                ratios[n].append(time_pass(n) / one)
+        samples = _paired(ones, ratios)
         self.cost.set_verify(samples)
         self.shared.set_verify(samples)  # until passes of several requests are timed
         out = {"target": samples}

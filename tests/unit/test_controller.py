@@ -7,7 +7,7 @@ import pytest
 
 from homespec.config import ControllerConfig
 from homespec.llama.runtime import stream_graphs
-from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Choice, Controller
+from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Choice, Controller, calibration_bumps
 from homespec.speculation.engine import OFF, StepStats
 from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import MATCH_CAP, Match
@@ -642,9 +642,46 @@ def test_calibration_times_long_passes_where_the_curve_bends_not_a_line_from_12_
     timed: list[int] = []
     c = Controller([], ControllerConfig(), k_max=48)
     c.calibrate(lambda n: timed.append(n) or curve(n), passes=1)
-    assert timed[1::2] == [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4 + [8] * 4 + [10, 12, 17, 25, 33, 49]  # each after a 1-token pass
+    # each after a 1-token pass; then, again, the two sizes dearer than their neighbours' line (this
+    # curve's real steps: 3 rows, and 8 where the tiled matmul starts)
+    assert timed[1::2] == [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4 + [8] * 4 + [10, 12, 17, 25, 33, 49] + [3] * 4 + [8] * 4
     assert set(timed[::2]) == {1}
     assert c.cost.verify(33) == pytest.approx(curve(33))  # measured, not interpolated
+    assert c.cost.verify(8) == pytest.approx(curve(8))  # a real step, timed again, kept
+
+
+def epyc_vnni_cost(n: int) -> float:
+    """Target passes after 300 tokens on a 2-core AVX-512 EPYC with the wheel's VNNI kernels
+    (2026-12-07, ms): ~8 ms a row past 4."""
+    ns = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 17, 25, 33, 49, 65]
+    ms = [32, 35, 38, 44, 57, 64, 72, 76, 87, 95, 104, 164, 240, 304, 448, 592]
+    return float(np.interp(n, ns, ms)) / 1000
+
+
+def test_calibration_bumps_are_the_sizes_dearer_than_the_line_through_their_neighbours() -> None:
+    sizes = (1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49, 65)
+    smooth = {n: epyc_vnni_cost(n) for n in sizes}
+    assert calibration_bumps(smooth) == []
+    # a bench's warm-up on that VM (ms): 6 rows dearer than 8 is cheap, 33 and 65 far over the passes
+    warmup = {1: 26, 2: 28, 3: 30, 4: 34, 5: 43, 6: 71, 8: 85, 10: 113, 12: 123, 17: 191, 25: 277, 33: 397, 49: 443, 65: 792}
+    assert calibration_bumps(warmup) == [6, 33, 65]
+    assert calibration_bumps(smooth | {65: 0.9 * 0.792}) == [65]  # the largest, against the line through the two below
+
+
+def test_calibration_times_again_a_size_the_machine_slowed_and_prices_it_as_it_runs() -> None:
+    # The VM slows down for the first two timings of 6 rows and both of 65: priced so, neither would
+    # be chosen again, so no live step would correct them.
+    seen: dict[int, int] = {}
+
+    def noisy(n: int) -> float:
+        seen[n] = seen.get(n, 0) + 1
+        return epyc_vnni_cost(n) * (1.6 if n in (6, 65) and seen[n] <= 2 else 1.0)
+
+    c = Controller([], ControllerConfig(), k_max=64)
+    c.calibrate(noisy, passes=2)
+    for n in (5, 6, 8, 49, 65):
+        assert c.cost.verify(n) == pytest.approx(epyc_vnni_cost(n), rel=0.01)
+    assert seen[6] == 4 + 4 and seen[65] == 2 + 4 and seen[8] == 4  # the bumps again, nothing else
 
 
 def test_calibration_keeps_each_pass_to_plain_decoding_ratio_while_the_machine_slows_down() -> None:
