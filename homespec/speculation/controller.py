@@ -396,7 +396,11 @@ class Controller:
         if not ones:  # (sizes: 1 alone)
             ones = [time_pass(1) for _ in range(passes)]
         samples = _paired(ones, ratios)
-        for n in calibration_bumps(samples):
+        bumps = calibration_bumps(samples)
+        if bumps:
+            log.info("calibration: timing %s rows again (%s ms: dearer than the line through their neighbours)",
+                     ", ".join(map(str, bumps)), ", ".join(f"{samples[n] * 1000:.0f}" for n in bumps))
+        for n in bumps:
             for _ in range(PAIRED_SMALL):
                 one = time_pass(1)
                 ones.append(one)
