@@ -78,13 +78,13 @@ struct homespec_q4k_block {
 };
 
 // ROWS rows' products with one decoded super-block of a column pair, added to their accumulators
-// (acc, acc_min: [ROWS] x 16 columns). Row r's value k of the super-block is at qs[r] + (k / 8) *
-// QS_STEP + k % 8 (QS_STEP 32: four rows interleaved 8 values at a time, block_q8_Kx4; 8: a row of
-// its own, block_q8_K), its 16-value sums at bsums[r] + (k / 16) % 4 + (k / 64) * BSUM_STEP, its
-// scale d[r]. Every row's integer sums are exact and its float steps the gemv's, in its order (the
-// mins, then the sums, one fused multiply-add each per super-block): so its result is bitwise the
-// gemv's for it alone, in either layout.
-template <int ROWS, int QS_STEP, int BSUM_STEP, bool UNPACK>
+// (acc, acc_min: [ROWS] x 16 columns). The first FOURS rows (0 or 4) are four rows interleaved 8
+// values at a time (block_q8_Kx4): row r's value k of the super-block at qs[r] + (k / 8) * 32 + k %
+// 8, its 16-value sums at bsums[r] + (k / 16) % 4 + (k / 64) * 16; the others rows of their own
+// (block_q8_K): qs[r] + k, bsums[r] + k / 16. Its scale is d[r]. Every row's integer sums are exact
+// and its float steps the gemv's, in its order (the mins, then the sums, one fused multiply-add each
+// per super-block): so its result is bitwise the gemv's for it alone, in either layout.
+template <int ROWS, int FOURS, bool UNPACK>
 static inline void homespec_q4k_rows(const homespec_q4k_block & blk, const int8_t * const * qs, const int16_t * const * bsums,
                                      const float * d, __m512 * acc, __m512 * acc_min, __m512i even, __m512i odd, __m512i m4) {
     __m512i imin[ROWS];  // [row] x 16 columns int32: exact sums of min x activation sum
@@ -94,7 +94,7 @@ static inline void homespec_q4k_rows(const homespec_q4k_block & blk, const int8_
     for (int sb = 0; sb < QK_K / 64; sb++) {
         for (int r = 0; r < ROWS; r++) {
             // The row's sums over each 32-value sub-block, from its four 16-value sums
-            const int16_t * bs4 = bsums[r] + BSUM_STEP * sb;
+            const int16_t * bs4 = bsums[r] + (r < FOURS ? 16 : 4) * sb;
             const uint32_t bsum_pair = (uint16_t) (bs4[0] + bs4[1]) | ((uint32_t) (uint16_t) (bs4[2] + bs4[3]) << 16);
             imin[r] = _mm512_add_epi32(imin[r], _mm512_madd_epi16(_mm512_set1_epi32((int32_t) bsum_pair), blk.mins[sb]));
         }
@@ -117,8 +117,9 @@ static inline void homespec_q4k_rows(const homespec_q4k_block & blk, const int8_
                 wq = unpacked;
             }
             for (int r = 0; r < ROWS; r++) {
-                const int8_t * qa_lo = qs[r] + (8 * sb + q) * QS_STEP;      // k = 64 sb + 8 q + ...
-                const int8_t * qa_hi = qs[r] + (8 * sb + 4 + q) * QS_STEP;  // k = 64 sb + 32 + 8 q + ...
+                const int step = r < FOURS ? 32 : 8;
+                const int8_t * qa_lo = qs[r] + (8 * sb + q) * step;      // k = 64 sb + 8 q + ...
+                const int8_t * qa_hi = qs[r] + (8 * sb + 4 + q) * step;  // k = 64 sb + 32 + 8 q + ...
                 dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], wq[0], homespec_bcast4(qa_lo));
                 dot_lo[r] = _mm512_dpbusd_epi32(dot_lo[r], wq[1], homespec_bcast4(qa_lo + 4));
                 dot_hi[r] = _mm512_dpbusd_epi32(dot_hi[r], wq[2], homespec_bcast4(qa_hi));
@@ -137,19 +138,25 @@ static inline void homespec_q4k_rows(const homespec_q4k_block & blk, const int8_
     }
 }
 
-// The 1-3 rows after the fours (block_q8_K each), as homespec_q4k_rows takes them.
-template <int ROWS>
-static inline void homespec_q4k_rest(const homespec_q4k_block & blk, const block_q8_K * const * rest, int ib, __m512 * acc,
-                                     __m512 * acc_min, __m512i even, __m512i odd, __m512i m4) {
-    const int8_t * qs[ROWS];
-    const int16_t * bsums[ROWS];
-    float d[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-        qs[r] = rest[r][ib].qs;
-        bsums[r] = rest[r][ib].bsums;
-        d[r] = rest[r][ib].d;
+// Rows of a super-block as homespec_q4k_rows takes them: FOURS interleaved ones from a (none where
+// null), then REST rows of their own (block_q8_K each, rest[r][ib]).
+template <int FOURS, int REST, bool UNPACK>
+static inline void homespec_q4k_gather(const homespec_q4k_block & blk, const block_q8_Kx4 * a, const block_q8_K * const * rest, int ib,
+                                       __m512 * acc, __m512 * acc_min, __m512i even, __m512i odd, __m512i m4) {
+    const int8_t * qs[FOURS + REST];
+    const int16_t * bsums[FOURS + REST];
+    float d[FOURS + REST];
+    for (int r = 0; r < FOURS; r++) {
+        qs[r] = a->qs + 8 * r;
+        bsums[r] = a->bsums + 4 * r;
+        d[r] = a->d[r];
     }
-    homespec_q4k_rows<ROWS, 8, 4, false>(blk, qs, bsums, d, acc, acc_min, even, odd, m4);
+    for (int r = 0; r < REST; r++) {
+        qs[FOURS + r] = rest[r][ib].qs;
+        bsums[FOURS + r] = rest[r][ib].bsums;
+        d[FOURS + r] = rest[r][ib].d;
+    }
+    homespec_q4k_rows<FOURS + REST, FOURS, UNPACK>(blk, qs, bsums, d, acc, acc_min, even, odd, m4);
 }
 
 // Rows in fours, and the 1-3 left over after them (nr % 4; only from the row hook before ggml's
@@ -162,8 +169,8 @@ static inline void homespec_q4k_rest(const homespec_q4k_block & blk, const block
 // (scalar work on 12 packed bytes per column group and sub-block pair) and the unpacking (permutes,
 // masks, shifts) took about a third of the gemm at 16 rows (perf, 2026-12-07: 29 % of its samples
 // on scalar instructions); and ggml's gemv read the whole weight again for each row left over (a
-// 9-row pass cost 1.19x one of 8). Four rows alone (a pass of 4) unpack the weights where they use
-// them: storing them for one group cost 10 % more.
+// 9-row pass cost 1.18x one of 8). One group (passes of 4-7 rows) unpacks the weights where its
+// rows and the rest use them, in one loop: storing them for one group cost 10 % more.
 template <int GROUPS>
 static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
                                              const void * GGML_RESTRICT vy, int nr, int nc) {
@@ -181,7 +188,6 @@ static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const bool unpack = GROUPS == 1 && nr == 4;  // four rows alone unpack as they go
     alignas(64) homespec_q4k_block blk;
 
     for (int y0 = 0; y0 < nfours; y0 += GROUPS) {
@@ -222,27 +228,31 @@ static void homespec_gemm_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
                     const __m128i min_hi = _mm_unpackhi_epi64(sm_hi0, sm_hi1);
                     blk.mins[sb] = _mm512_cvtepu8_epi16(_mm256_inserti128_si256(
                         _mm256_castsi128_si256(_mm_unpacklo_epi8(min_lo, min_hi)), _mm_unpackhi_epi8(min_lo, min_hi), 1));
-                    if (!unpack) {
+                    if constexpr (GROUPS > 1) {
                         for (int q = 0; q < 4; q++) {
                             homespec_q4k_unpack(b0[ib].qs + 256 * sb + 64 * q, b1[ib].qs + 256 * sb + 64 * q, even, odd, m4, blk.w[sb][q]);
                         }
                     }
                 }
-                for (int g = 0; g < groups; g++) {
-                    const block_q8_Kx4 * a = a_start + (size_t) (y0 + g) * nb + ib;
-                    const int8_t * qs[4] = { a->qs, a->qs + 8, a->qs + 16, a->qs + 24 };
-                    const int16_t * bsums[4] = { a->bsums, a->bsums + 4, a->bsums + 8, a->bsums + 12 };
-                    if (unpack) {
-                        homespec_q4k_rows<4, 32, 16, true>(blk, qs, bsums, a->d, acc + 4 * g, acc_min + 4 * g, even, odd, m4);
-                    } else {
-                        homespec_q4k_rows<4, 32, 16, false>(blk, qs, bsums, a->d, acc + 4 * g, acc_min + 4 * g, even, odd, m4);
+                if constexpr (GROUPS == 1) {  // the fours and the rest in one loop, unpacking as it goes
+                    const block_q8_Kx4 * a = a_start + ib;
+                    switch (nrest) {
+                        case 0: homespec_q4k_gather<4, 0, true>(blk, a, rest, ib, acc, acc_min, even, odd, m4); break;
+                        case 1: homespec_q4k_gather<4, 1, true>(blk, a, rest, ib, acc, acc_min, even, odd, m4); break;
+                        case 2: homespec_q4k_gather<4, 2, true>(blk, a, rest, ib, acc, acc_min, even, odd, m4); break;
+                        default: homespec_q4k_gather<4, 3, true>(blk, a, rest, ib, acc, acc_min, even, odd, m4); break;
                     }
-                }
-                switch (rows - 4 * groups) {
-                    case 1: homespec_q4k_rest<1>(blk, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
-                    case 2: homespec_q4k_rest<2>(blk, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
-                    case 3: homespec_q4k_rest<3>(blk, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
-                    default: break;
+                } else {
+                    for (int g = 0; g < groups; g++) {
+                        const block_q8_Kx4 * a = a_start + (size_t) (y0 + g) * nb + ib;
+                        homespec_q4k_gather<4, 0, false>(blk, a, rest, ib, acc + 4 * g, acc_min + 4 * g, even, odd, m4);
+                    }
+                    switch (rows - 4 * groups) {
+                        case 1: homespec_q4k_gather<0, 1, false>(blk, nullptr, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
+                        case 2: homespec_q4k_gather<0, 2, false>(blk, nullptr, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
+                        case 3: homespec_q4k_gather<0, 3, false>(blk, nullptr, rest, ib, acc + 4 * groups, acc_min + 4 * groups, even, odd, m4); break;
+                        default: break;
+                    }
                 }
             }
             for (int r = 0; r < rows; r++) {
