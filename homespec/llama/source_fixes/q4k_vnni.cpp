@@ -80,8 +80,8 @@ struct homespec_q4k_block {
 // ROWS rows' products with one decoded super-block of a column pair, added to their accumulators
 // (acc, acc_min: [ROWS] x 16 columns). The first FOURS rows (0 or 4) are four rows interleaved 8
 // values at a time (block_q8_Kx4): row r's value k of the super-block at qs[r] + (k / 8) * 32 + k %
-// 8, its 16-value sums at bsums[r] + (k / 16) % 4 + (k / 64) * 16; the others rows of their own
-// (block_q8_K): qs[r] + k, bsums[r] + k / 16. Its scale is d[r]. Every row's integer sums are exact
+// 8, its 16-value sums at bsums[r] + (k / 16) % 4 + (k / 64) * 16; the other rows are rows of their
+// own (block_q8_K): qs[r] + k, bsums[r] + k / 16. Row r's scale is d[r]. Every row's integer sums are exact
 // and its float steps the gemv's, in its order (the mins, then the sums, one fused multiply-add each
 // per super-block): so its result is bitwise the gemv's for it alone, in either layout.
 template <int ROWS, int FOURS, bool UNPACK>
