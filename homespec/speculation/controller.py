@@ -154,6 +154,22 @@ def calibration_bumps(samples: Mapping[int, float], bump: float = BUMP) -> list[
     return out
 
 
+def together_drafting_s(ks: Sequence[int], per_token_s: float, curve: np.ndarray) -> float:
+    """Seconds a model drafting for several requests at once spends on their drafts of ks tokens:
+    a pass per token, over the requests still drafting, each pass curve[n] lone passes for n of
+    them (curve: [requests + 1], index 0 unused; past its end, its last).
+
+    Token t is drafted for the requests whose k is at least t: with the ks in falling order, the
+    first i + 1 draft tokens ks[i + 1] + 1 .. ks[i]. In plain Python: a planned pass prices ~200
+    picks of its requests' steps, and numpy's small arrays cost more than this sum."""
+    ordered = sorted(ks, reverse=True)  # [requests]
+    seconds = 0.0
+    for i, k in enumerate(ordered):
+        below = ordered[i + 1] if i + 1 < len(ordered) else 0
+        seconds += per_token_s * float(curve[min(i + 1, len(curve) - 1)]) * (k - below)
+    return seconds
+
+
 class AcceptanceKey(NamedTuple):
     """What acceptance is tracked by: outcomes under the same key are alike."""
 
@@ -388,11 +404,15 @@ class Controller:
             sizes = sorted({1, 2, 3, 4, 5, 6, 8, 10, 12, 17, 25, 33, 49, n_max} & set(range(1, n_max + 1)))
         ones: list[float] = []  # seconds of every one-token pass
         ratios: dict[int, list[float]] = {n: [] for n in sizes if n != 1}  # size -> [its pass / the one-token pass before it]
-        for n in ratios:
-            for _ in range(max(passes, PAIRED_SMALL) if n <= SMALL_ROWS else passes):
+
+        def pair(n: int, times: int) -> None:  # size n timed `times` times, each right after a one-token pass
+            for _ in range(times):
                 one = time_pass(1)
                 ones.append(one)
                 ratios[n].append(time_pass(n) / one)
+
+        for n in ratios:
+            pair(n, max(passes, PAIRED_SMALL) if n <= SMALL_ROWS else passes)
         if not ones:  # (sizes: 1 alone)
             ones = [time_pass(1) for _ in range(passes)]
         samples = _paired(ones, ratios)
@@ -554,14 +574,7 @@ class Controller:
             for p in {c.proposer for c in steps if c.together}:
                 mine = [c for c in steps if c.together and c.proposer == p]
                 per_token = float(self.cost.propose(p, 1))
-                curve = self.together_s[p]
-                # Token t is drafted for the requests whose k exceeds t: with the ks in falling
-                # order, the first i + 1 draft tokens ks[i + 1] + 1 .. ks[i]. In plain Python: the
-                # search prices ~200 picks a pass, and numpy's arrays cost more than this sum.
-                ks = sorted((c.k for c in mine), reverse=True)  # [requests]
-                for i, k in enumerate(ks):
-                    below = ks[i + 1] if i + 1 < len(ks) else 0
-                    alone += per_token * float(curve[min(i + 1, len(curve) - 1)]) * (k - below)
+                alone += together_drafting_s([c.k for c in mine], per_token, self.together_s[p])
                 alone += sum(c.draft_s - per_token * c.k for c in mine)  # their catching up, each alone
             return alone
 

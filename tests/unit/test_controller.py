@@ -7,7 +7,7 @@ import pytest
 
 from homespec.config import ControllerConfig
 from homespec.llama.runtime import stream_graphs
-from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Choice, Controller, calibration_bumps
+from homespec.speculation.controller import EXPLORE_BUDGET, MAX_BACKOFF, Choice, Controller, calibration_bumps, together_drafting_s
 from homespec.speculation.engine import OFF, StepStats
 from homespec.speculation.proposers.base import Evidence, ProposalInfo
 from homespec.speculation.proposers.ngram import MATCH_CAP, Match
@@ -767,6 +767,15 @@ def test_tokens_a_draft_copied_from_the_prompt_teach_no_cost_per_drafted_token()
     for _ in range(50):  # (untimed passes: the machine's pace stays as it is)
         c.observe(StepStats("draft", 40, 40, 40, 8 * per_token, 0.4, (True,) * 40, ProposalInfo(copied=32), timed=False))
     assert float(c.cost.propose("draft", 1)) == pytest.approx(per_token)
+
+
+def test_drafting_for_several_at_once_costs_a_pass_per_token_over_the_requests_still_drafting() -> None:
+    curve = np.array([0.0, 1.0, 1.1, 1.2, 1.3])  # lone passes for 1-4 requests' rows
+    # drafts of 3, 1 and 1 tokens: token 1 for three requests, tokens 2 and 3 for one
+    assert together_drafting_s([1, 3, 1], 0.01, curve) == pytest.approx(0.01 * (1.2 + 1.0 + 1.0))
+    assert together_drafting_s([2, 2], 0.01, curve) == pytest.approx(0.01 * 2 * 1.1)
+    assert together_drafting_s([1] * 6, 0.01, curve) == pytest.approx(0.01 * 1.3)  # past the curve: its last
+    assert together_drafting_s([0, 0], 0.01, curve) == 0.0
 
 
 def test_a_plan_prices_a_draft_model_drafting_for_all_at_once_at_its_measured_pass_over_their_rows() -> None:
