@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config.yaml
 # llama-cpp-python compiles llama.cpp from source (~10-15 min on 2 cores the first time). It is
 # built for the CPU it runs on: homespec/llama/cpu_build.py reads /proc/cpuinfo and names every x86
-# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX where a tile check passes, unless
-# HOMESPEC_AMX=off), and changes llama.cpp's source before building it (its `fixes`: a line GCC 12
+# kernel option ON or OFF (AVX2, AVX-512, VNNI, ...; AMX only with HOMESPEC_AMX=on, where a tile
+# check passes), and changes llama.cpp's source before building it (its `fixes`: a line GCC 12
 # miscompiles, Q6_K weights kept out of AMX, where they decode slower, a process-wide switch for
 # ggml's reference kernels, which exact mode's verify passes take, flash attention, Q6_K and Q4_K
 # products that cost verify passes less, larger chunks of a product for the threads: cpu_build.py

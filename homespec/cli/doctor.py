@@ -26,8 +26,8 @@ def main(args: argparse.Namespace) -> int:
         works = cb.amx_works()
         amx = works and cb.amx_wanted()
         tiles = "tiles work (the check ran)" if works else "advertised, but the tile check failed"
-        use = ("built in when the check passes; HOMESPEC_AMX=off leaves them out" if cb.amx_wanted()
-               else "left out (HOMESPEC_AMX=off); without it `make install` builds them")
+        use = ("built in (HOMESPEC_AMX=on) when the check passes" if cb.amx_wanted()
+               else "left out, every pass is cheaper with homespec's VNNI kernels (HOMESPEC_AMX=on builds them in)")
         print(f"amx:      {tiles}; {use}")
     print(f"memory:   {_huge_pages()}")
     folder = cb.installed_package_dir()
@@ -42,7 +42,10 @@ def main(args: argparse.Namespace) -> int:
         if missing:
             print(f"mismatch: built for {', '.join(missing)}, which this CPU lacks: run `make install` to rebuild")
             return 1  # loading llama.cpp now could crash the process (SIGILL)
-        print("match:    this CPU runs every kernel of the build" + (f" (it also has {', '.join(better)}: `make install` to use them)" if better else ""))
+        unasked = sorted(k for k in cb.AMX_OPTIONS if options.get(k) and not amx)
+        print("match:    this CPU runs every kernel of the build"
+              + (f" (it also has {', '.join(better)}: `make install` to use them)" if better else "")
+              + (f" (built with {', '.join(unasked)}, which cost every pass more here: `make install` rebuilds without)" if unasked else ""))
         status = 0
     import llama_cpp
 

@@ -10,22 +10,21 @@ exactly the kernels they allow, builds the wheel into a cache folder named after
 (`key`), and records the set next to the installed package (`write_stamp`); the daemon compares
 the record with /proc/cpuinfo before llama.cpp is loaded (`require_matching_build`).
 
-AMX: the build has llama.cpp's AMX kernels where the CPU advertises them and a check proves the
-tiles work here (a few lines of C that ask the kernel for the tile state, load a tile
-configuration and zero a tile); HOMESPEC_AMX=off leaves them out. Built as llama.cpp ships them
+AMX: HOMESPEC_AMX=on builds llama.cpp's AMX kernels in where the CPU advertises them and a check
+proves the tiles work here (a few lines of C that ask the kernel for the tile state, load a tile
+configuration and zero a tile); by default they are left out. Built as llama.cpp ships them
 with Debian's GCC 12, they died with SIGILL at `tilezero` on the first eval (gdb, 2026-12-01):
 GCC 12's `_tile_loadconfig` (amxtileintrin.h) tells the compiler that it reads 8 bytes of the
 configuration, so GCC drops the stores of the tiles' rows and columns as dead, and `ldtilecfg`
 loads a configuration with no tiles (read in the compiled code, 2026-12-05). `fix_source`
 rewrites that one call before every build, the wheel's and the bench's peer's, and the stamp
-records it: a build with AMX kernels and without the fix is refused.
-As llama.cpp places weights, AMX read a 512-token prompt 1.3-1.7x faster on a 2-core Xeon VM but
-decoded one token 5-20 % slower (2026-12-05). The slow part is its Q6_K weights (the output
-layer, half of ffn_down and attn_v in a Q4_K_M file): a one-row product over AMX's tile layout
-runs a VNNI kernel slower than the plain Q6_K one. A second fix keeps Q6_K out of the AMX
-buffer; with it, in one process per placement taking turns, prompts read as fast as with all of
-AMX and one-token steps as fast as without it (README, "The llama.cpp build"), so AMX is on by
-default.
+records it: a build with AMX kernels and without the fix is refused. A second fix keeps Q6_K
+weights out of the AMX buffer, where a one-row product decodes slower than the plain kernel.
+AMX was on by default from 2026-12-05 (prompts 1.4x faster than ggml's AVX-512 code) until the
+wheel's own VNNI kernels below made it dearer: on a 2-core Xeon with AMX (2026-12-07), one
+process per build taking turns, with AMX a verify pass of 2-17 rows cost 1.2-1.7x what it costs
+without, a 33-row one 1.3x, four requests' one-token pass 1.6x, a one-token pass 1.1x, and
+prompts read no faster (README, "The llama.cpp build").
 
 Six more changes are the wheel's alone (`WHEEL_FIXES`); the bench's peer, a later ggml, is built
 as published:
@@ -307,9 +306,9 @@ def this_cpu_options() -> dict[str, bool]:
 
 
 def amx_wanted(environ: dict[str, str] | None = None) -> bool:
-    """llama.cpp's AMX kernels are built where the tiles work unless HOMESPEC_AMX=off leaves them
-    out (module docstring: they read prompts faster and, with Q6_K outside them, decode as fast)."""
-    return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "on").lower() != "off"
+    """llama.cpp's AMX kernels are built where the tiles work only when HOMESPEC_AMX=on asks for
+    them (module docstring: with the wheel's VNNI kernels every pass costs more with them)."""
+    return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "off").lower() == "on"
 
 
 def _amx_here(flags: set[str]) -> bool:
@@ -417,8 +416,7 @@ def require_matching_build() -> None:
                          f"(it would crash): rebuild it for this machine with `make install`")
     if options is not None and any(options.get(k) for k in AMX_OPTIONS) and AMX_FIX not in read_fixes(folder):
         raise ModelError(f"llama.cpp in {folder} was built with its AMX kernels but without homespec's fix for them "
-                         f"(they crash with SIGILL): rebuild it with `make install` (`HOMESPEC_AMX=off make install` "
-                         f"leaves them out)")
+                         f"(they crash with SIGILL): rebuild it with `make install`")
 
 
 def build_wheel(version: str, dest: Path) -> None:

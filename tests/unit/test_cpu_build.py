@@ -28,20 +28,19 @@ def test_an_avx512_cpu_gets_the_avx512_kernels_and_amx_only_when_the_check_passe
     assert all(cb.choose(XEON_AMX, amx=True)[k] for k in cb.AMX_OPTIONS)
 
 
-def test_amx_is_built_by_default_and_left_out_only_when_turned_off() -> None:
-    assert cb.amx_wanted({}) and cb.amx_wanted({"HOMESPEC_AMX": "on"}) and cb.amx_wanted({"HOMESPEC_AMX": "auto"})
-    assert not cb.amx_wanted({"HOMESPEC_AMX": "off"}) and not cb.amx_wanted({"HOMESPEC_AMX": "OFF"})
+def test_amx_is_left_out_by_default_and_built_only_when_asked_for() -> None:
+    assert cb.amx_wanted({"HOMESPEC_AMX": "on"}) and cb.amx_wanted({"HOMESPEC_AMX": "ON"})
+    assert not cb.amx_wanted({}) and not cb.amx_wanted({"HOMESPEC_AMX": "off"}) and not cb.amx_wanted({"HOMESPEC_AMX": "auto"})
 
 
-def test_amx_comes_only_where_the_tile_check_passes_and_not_when_turned_off(monkeypatch) -> None:
+def test_amx_comes_only_when_asked_for_and_where_the_tile_check_passes(monkeypatch) -> None:
     monkeypatch.setattr(cb.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
     monkeypatch.setattr(cb, "amx_works", lambda cc=None: True)
     monkeypatch.delenv("HOMESPEC_AMX", raising=False)
-    assert all(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
-    monkeypatch.setenv("HOMESPEC_AMX", "off")
     assert not any(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
-    monkeypatch.delenv("HOMESPEC_AMX")
+    monkeypatch.setenv("HOMESPEC_AMX", "on")
+    assert all(cb.this_cpu_options()[k] for k in cb.AMX_OPTIONS)
     monkeypatch.setattr(cb, "amx_works", lambda cc=None: False)  # advertised, but the kernel refuses the tiles
     options = cb.this_cpu_options()
     assert not any(options[k] for k in cb.AMX_OPTIONS) and options["GGML_AVX512_VNNI"]
@@ -111,20 +110,39 @@ def test_doctor_refuses_to_load_a_build_this_cpu_cannot_run(monkeypatch, tmp_pat
     assert "mismatch" in out and "avx512f" in out and "make install" in out
 
 
-def test_doctor_suggests_rebuilding_a_build_without_amx_where_the_tiles_work(monkeypatch, tmp_path: Path, capsys) -> None:
+def test_doctor_suggests_amx_only_when_asked_for_and_the_tiles_work(monkeypatch, tmp_path: Path, capsys) -> None:
     import argparse
 
     from homespec.cli import doctor
 
-    cb.write_stamp(tmp_path, cb.choose(XEON_AMX))  # built before AMX was on by default
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX))  # the default build: no AMX
     monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
     monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
+    for asked in (False, True):
+        if asked:
+            monkeypatch.setenv("HOMESPEC_AMX", "on")
+        else:
+            monkeypatch.delenv("HOMESPEC_AMX", raising=False)
+        for works in (True, False):
+            monkeypatch.setattr(cb, "amx_works", lambda cc=None, works=works: works)
+            assert doctor.main(argparse.Namespace(no_amx_check=False)) == 0
+            match = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("match:"))
+            assert ("GGML_AMX_INT8" in match and "make install" in match) == (asked and works), match
+
+
+def test_doctor_says_an_amx_build_not_asked_for_is_rebuilt_without_it(monkeypatch, tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from homespec.cli import doctor
+
+    cb.write_stamp(tmp_path, cb.choose(XEON_AMX, amx=True), cb.fix_names())  # built while AMX was the default
+    monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
+    monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None: XEON_AMX)
+    monkeypatch.setattr(cb, "amx_works", lambda cc=None: True)
     monkeypatch.delenv("HOMESPEC_AMX", raising=False)
-    for works in (True, False):
-        monkeypatch.setattr(cb, "amx_works", lambda cc=None, works=works: works)
-        assert doctor.main(argparse.Namespace(no_amx_check=False)) == 0
-        match = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("match:"))
-        assert ("GGML_AMX_INT8" in match and "make install" in match) == works, match
+    assert doctor.main(argparse.Namespace(no_amx_check=False)) == 0
+    match = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("match:"))
+    assert "AMX" in match and "make install" in match, match
 
 
 def test_the_runtime_refuses_a_build_for_another_cpu_before_loading_it(monkeypatch, tmp_path: Path) -> None:
