@@ -136,6 +136,21 @@ def test_a_peer_build_is_cached_per_source_options_and_machine(tmp_path: Path) -
     assert peer_build.binary("llama-server", avx512, tmp_path) is None  # never another CPU's build
 
 
+def test_the_peer_takes_amx_wherever_the_tiles_work_whatever_homespec_takes(monkeypatch) -> None:
+    xeon = set("sse4_2 avx f16c fma bmi2 avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni amx_tile amx_int8".split())
+    monkeypatch.setattr(peer_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda cpuinfo=None: xeon)
+    monkeypatch.delenv("HOMESPEC_AMX", raising=False)  # homespec's wheel leaves AMX out
+    monkeypatch.setattr(cpu_build, "amx_works", lambda cc=None: True)
+    assert "-DGGML_AMX_INT8=ON" in peer_build.this_cpu_args().split()
+    assert "-DGGML_AVX512_VNNI=ON" in peer_build.this_cpu_args().split()
+    monkeypatch.setattr(cpu_build, "amx_works", lambda cc=None: False)  # advertised, but the tiles refused
+    assert "-DGGML_AMX_INT8=OFF" in peer_build.this_cpu_args().split()
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda cpuinfo=None: xeon - {"amx_tile", "amx_int8"})
+    monkeypatch.setattr(cpu_build, "amx_works", lambda cc=None: pytest.fail("no tile check without amx_tile"))
+    assert "-DGGML_AMX_INT8=OFF" in peer_build.this_cpu_args().split()
+
+
 def test_a_peer_built_before_a_source_fix_is_not_reused(monkeypatch) -> None:
     args = "-DGGML_NATIVE=OFF -DGGML_AMX_INT8=ON"
     with_fixes = peer_build.build_key(args, "x86_64")
