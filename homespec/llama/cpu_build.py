@@ -297,12 +297,13 @@ def cmake_args(options: dict[str, bool]) -> str:
     return " ".join(["-DGGML_NATIVE=OFF"] + [f"-D{k}={'ON' if v else 'OFF'}" for k, v in options.items()])
 
 
-def this_cpu_options() -> dict[str, bool]:
-    """The kernels for this CPU's flags (AMX: `_amx_here`); none on a CPU that is not x86."""
+def this_cpu_options(want_amx: bool | None = None) -> dict[str, bool]:
+    """The kernels for this CPU's flags (AMX: `_amx_here`, wanted as HOMESPEC_AMX says unless
+    `want_amx` says otherwise); none on a CPU that is not x86."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return {}
     flags = cpu_flags()
-    return choose(flags, amx=_amx_here(flags))
+    return choose(flags, amx=_amx_here(flags, amx_wanted() if want_amx is None else want_amx))
 
 
 def amx_wanted(environ: dict[str, str] | None = None) -> bool:
@@ -311,9 +312,9 @@ def amx_wanted(environ: dict[str, str] | None = None) -> bool:
     return (os.environ if environ is None else environ).get("HOMESPEC_AMX", "off").lower() == "on"
 
 
-def _amx_here(flags: set[str]) -> bool:
+def _amx_here(flags: set[str], wanted: bool) -> bool:
     """AMX only when wanted, advertised, and the tile check runs here."""
-    return "amx_tile" in flags and amx_wanted() and amx_works()
+    return "amx_tile" in flags and wanted and amx_works()
 
 
 def key(options: dict[str, bool]) -> str:
@@ -451,7 +452,7 @@ def _main(argv: list[str]) -> int:
             return 1
     elif argv[:1] == ["stamp"] and len(argv) == 3:
         flags = cpu_flags() if x86 else set()
-        options = options_from_args(argv[2], flags, amx=_amx_here(flags)) if x86 else {}
+        options = options_from_args(argv[2], flags, amx=_amx_here(flags, amx_wanted())) if x86 else {}
         print(f"{write_stamp(Path(argv[1]), options)}: {key(options)}")
     else:
         print("usage: cpu_build.py cmake-args | fixes | wheel VERSION DEST | stamp PACKAGE_DIR CMAKE_ARGS", file=sys.stderr)

@@ -60,10 +60,7 @@ def this_cpu_args() -> str:
     homespec's wheel takes (HOMESPEC_AMX). On a 2-core Xeon with AMX (2026-12-07, llama-bench, two
     runs each), this peer read 512 tokens in 2.6-2.7 s with AMX and 4.6-4.8 s without, and decoded a
     token in 64-65 against 67-69 ms: it is the peer at its best."""
-    flags = cpu_build.cpu_flags()
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    options = cpu_build.choose(flags, amx="amx_tile" in flags and cpu_build.amx_works()) if x86 else {}
-    return cpu_build.cmake_args(options)
+    return cpu_build.cmake_args(cpu_build.this_cpu_options(want_amx=True))
 
 
 def binary(name: str = "llama-server", cmake_args: str | None = None, root: Path | None = None) -> Path | None:
