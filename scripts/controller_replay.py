@@ -2,7 +2,7 @@
 """Judge the speculation controller on recorded greedy outputs, without timing anything.
 
     .venv/bin/python scripts/controller_replay.py record OUT.json [--config C] [--messages M.json] [--max-tokens 200]
-    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json ...] [--by-evidence]
+    .venv/bin/python scripts/controller_replay.py replay REC.json [REC.json ...] [--costs BENCH.json ...] [--by-evidence] [--vocab GGUF]
 
 record: greedy outputs of the bench's prompts (or of M.json: {workload: [[chat messages]]}), with
 the target model. replay: auto against fixed ngram arms and a hindsight oracle (the accepted tokens
@@ -10,7 +10,8 @@ known in advance) on those outputs (homespec.speculation.replay), each step pric
 target's pass costs from a bench run's calibration or a {n: seconds} file, one table per --costs
 (default: the curve the unit tests use, measured on the 2-core development machine;
 tests/data/epyc_pass_costs.json is a 2-core AMD EPYC's from scripts/pass_cost.py --history 200
---rounds 6, 2026-12-04).
+--rounds 6, 2026-12-04). --vocab: the recordings' model, whose tokens' text prompt lookup reads
+as the daemon's does (NgramProposer.piece); without it, by token id only.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def replay(args: argparse.Namespace) -> None:
         for name, recs in load_recordings(Path(f)).items():
             workloads.setdefault(name, []).extend(recs)
     names = list(workloads)
+    piece = None
+    if args.vocab:
+        from homespec.llama.runtime import Vocabulary
+
+        piece = Vocabulary(args.vocab).piece
 
     for path in args.costs or [DEFAULT_COSTS]:
         costs = json.loads(Path(path).read_text())
@@ -69,18 +75,18 @@ def replay(args: argparse.Namespace) -> None:
             c.cost.set_verify(samples)
             return c
 
-        table = compare(workloads, controller, pass_cost(samples), oracle_k=max(samples) - 1)
+        table = compare(workloads, controller, pass_cost(samples), oracle_k=max(samples) - 1, piece=piece)
         shown = sorted(samples)[:: max(1, len(samples) // 4)]  # a few sizes: the curve's shape
         print(f"== {path} (" + ", ".join(f"{n} row{'s' * (n > 1)} {samples[n] * 1000:.0f} ms" for n in shown) + ")")
         print(f"{'arm':<10} " + " ".join(f"{w:>8}" for w in names) + "   (speedup over plain, modelled)")
         for arm, row in table.items():
             print(f"{arm:<10} " + " ".join(f"{row[w]:8.3f}" for w in names))
         if args.by_evidence:
-            evidence_tables(workloads, controller, pass_cost(samples), max(samples) - 1)
+            evidence_tables(workloads, controller, pass_cost(samples), max(samples) - 1, piece)
     print(f"auto: its worst over workload orders (each workload first once); {sum(len(r) for r in workloads.values())} recordings")
 
 
-def evidence_tables(workloads: dict, controller, pass_s, k_max: int) -> None:
+def evidence_tables(workloads: dict, controller, pass_s, k_max: int, piece=None) -> None:
     """Per workload and evidence: how often ngram k=4's proposals keep their first token, and what
     the oracle's and auto's drafts saved (auto sees the workloads in the order given)."""
     from homespec.speculation.engine import FixedPolicy
@@ -92,11 +98,11 @@ def evidence_tables(workloads: dict, controller, pass_s, k_max: int) -> None:
         span = {8: "8-15", 16: f"16-{MATCH_CAP - 1}", MATCH_CAP: f"{MATCH_CAP}+"}.get(e.match, str(e.match))
         return f"{source}, match {span}" + (", resumes" if e.resumes else "")
 
-    auto = controller(auto_ngram := NgramProposer(2, 12))
+    auto = controller(auto_ngram := NgramProposer(2, 12, piece=piece))
     for name, recs in workloads.items():
         fixed, best, mine = [], [], []
-        replay(recs, FixedPolicy(ngram := NgramProposer(2, 12), 4), ngram, pass_s, fixed)
-        oracle(recs, NgramProposer(2, 12), pass_s, k_max, best)
+        replay(recs, FixedPolicy(ngram := NgramProposer(2, 12, piece=piece), 4), ngram, pass_s, fixed)
+        oracle(recs, NgramProposer(2, 12, piece=piece), pass_s, k_max, best)
         plain_s = replay(recs, auto, auto_ngram, pass_s, mine).emitted * pass_s(1)
         rows = [by_evidence(x, pass_s) for x in (fixed, best, mine)]
         print(f"-- {name}: drafting steps by evidence; saved: modelled seconds against plain decoding ({plain_s:.1f} s)")
@@ -121,6 +127,8 @@ def main() -> None:
                    help="a bench report or {n: seconds}; once per curve (default: the unit tests' curve)")
     q.add_argument("--by-evidence", action="store_true",
                    help="also, per workload: each kind of match's first-token keep rate, and what the oracle's and auto's drafts saved")
+    q.add_argument("--vocab", default=None,
+                   help="the recordings' model (a GGUF): prompt lookup reads its tokens' text, as the daemon's does")
     args = p.parse_args()
     record(args) if args.cmd == "record" else replay(args)
 

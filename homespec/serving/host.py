@@ -117,7 +117,7 @@ def build_proposers(cfg: Config, models: ModelSet, slot: int = 0, memory: NgramM
     model reads along in its own sequence of the same number; the MTP head reads the hidden
     states the target keeps for slot 0 only)."""
     ngram = cfg.speculation.ngram
-    lookup = NgramProposer(ngram.n_min, ngram.n_max, memory)
+    lookup = NgramProposer(ngram.n_min, ngram.n_max, memory, piece=models.target.piece)
     out: list[Proposer] = [lookup]
     if models.draft is not None:
         out.append(draft_proposer(models, slot, lookup))

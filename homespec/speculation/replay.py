@@ -162,27 +162,32 @@ def compare(
     orders: Sequence[Sequence[str]] | None = None,
     ngram_n: tuple[int, int] = (2, 12),
     oracle_k: int = 0,
+    piece: Callable[[int], bytes] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Speedup over plain per workload for ngram at each fixed k, for the oracle with drafts up
     to oracle_k (0: left out), and for one auto controller that sees the workloads in turn (per
-    order: what it learnt on one carries to the next). Returns {arm: {workload: speedup}};
+    order: what it learnt on one carries to the next). Prompt lookup reads tokens' text through
+    `piece` (the recordings' tokenizer; None: by id only). Returns {arm: {workload: speedup}};
     auto's figure is its worst over the orders."""
+    def new_ngram() -> NgramProposer:
+        return NgramProposer(*ngram_n, piece=piece)
+
     def speed(recs: Sequence[Recording], policy: SpeculationPolicy, ngram: NgramProposer) -> float:
         return rate(replay(recs, policy, ngram, pass_s))
 
     def fixed(recs: Sequence[Recording], k: int) -> float:
-        ngram = NgramProposer(*ngram_n)
+        ngram = new_ngram()
         return speed(recs, FixedPolicy(ngram, k), ngram)
 
     plain = {w: fixed(r, 0) for w, r in workloads.items()}
     table = {f"ngram k={k}": {w: fixed(r, k) / plain[w] for w, r in workloads.items()} for k in fixed_k}
     if oracle_k:
-        table["oracle"] = {w: rate(oracle(r, NgramProposer(*ngram_n), pass_s, oracle_k)) / plain[w] for w, r in workloads.items()}
+        table["oracle"] = {w: rate(oracle(r, new_ngram(), pass_s, oracle_k)) / plain[w] for w, r in workloads.items()}
     names = list(workloads)
     orders = orders or [names[i:] + names[:i] for i in range(len(names))]  # each workload once first
     auto: dict[str, float] = {}
     for order in orders:
-        ngram = NgramProposer(*ngram_n)
+        ngram = new_ngram()
         controller = make_controller(ngram)
         for w in order:
             gain = speed(workloads[w], controller, ngram) / plain[w]

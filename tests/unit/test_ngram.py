@@ -112,6 +112,36 @@ def test_a_short_match_just_past_where_the_answers_copy_of_the_prompt_broke_off_
     assert fresh.tokens == prompt[45:49] and fresh.from_prompt and not fresh.resumes
 
 
+def test_an_edit_resumes_its_copy_one_token_after_words_it_inserted_even_mid_token_of_the_prompt():
+    # "def f(a):\n    return a" edited to "def f(a: int) -> int:\n    return a", where the prompt's
+    # "):\n" is one token (30) and the answer writes ")" (31) and ":\n" (32) apart
+    text = {30: b"):\n", 31: b")", 32: b":\n", 33: b"    return", 34: b" a", 40: b": int", 41: b" ->", 42: b" int"}
+    filler = list(range(100, 112))  # the function's file before it: a copy of COPY_MATCH tokens and more
+    prompt = [*filler, 30, 33, 34, 7, 8, 9]
+    edited = [*prompt, *filler, 40, 31, 41, 42]  # copies the filler, then inserts the hints
+    for piece, after_colon in ((lambda t: text.get(t, b"<%d>" % t), [33, 34, 7, 8]), (None, [])):
+        prop = NgramProposer(2, 12, piece=piece)
+        prop.begin(prompt)
+        assert prop.match(prompt + filler, 4).length >= COPY_MATCH  # a copy under way
+        assert prop.match(edited, 4).tokens == []  # inside the insertion: nothing resumes
+        resumed = prop.match([*edited, 32], 4)  # ":\n" ends as the prompt's "):\n" does
+        assert resumed.tokens == after_colon
+        if piece:
+            assert resumed.from_prompt and resumed.resumes and resumed.length == 1
+            assert prop.evidence(resumed).match == 1  # learned apart from 2-token resumptions
+    # by id alone, the answer's token itself in the prompt past the break resumes
+    prop = NgramProposer(2, 12)
+    prop.begin(prompt)
+    prop.match(prompt + filler, 4)
+    assert prop.match([*edited, 30], 4).tokens == [33, 34, 7, 8]
+    # no copy under way (a new request), or a token only before the break: nothing
+    prop.begin(prompt)
+    assert prop.match([*prompt, 40, 31, 41, 42, 30], 4).tokens == []
+    prop.begin(prompt)
+    prop.match(prompt + filler, 4)
+    assert prop.match([*edited, filler[0]], 4).tokens == []
+
+
 def test_a_new_request_without_begin_takes_its_context_as_the_prompt():
     prop = NgramProposer(2, 2)
     prop.begin([1, 2, 3])

@@ -14,7 +14,9 @@ compared further back than n_max, up to MATCH_CAP tokens) and whether it copies 
 repeats the answer, or comes from an earlier request's answer (ngram_memory.py: looked up too,
 and taken where it matches further back than the request's own text does, or where it is the
 answer to this very prompt, so far as this answer has said it: the same question again), and
-whether a short match into the prompt resumes the answer's copy of it where that broke off.
+whether a short match into the prompt resumes the answer's copy of it where that broke off
+(where nothing matches n_min tokens back, the answer's last token, read as text, resumes it too:
+an edit going on after words it inserted, mid-token of the prompt).
 Measured on greedy outputs of the bench's workloads (the 1.5B target, a 16-token continuation):
 edits copying the prompt kept 10-14 tokens whatever the match length, while prose repeating
 itself kept 2-8 even on matches of 16-31 tokens.
@@ -23,7 +25,7 @@ itself kept 2-8 even on matches of 16-31 tokens.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -119,8 +121,12 @@ class NgramProposer:
     name = "ngram"
     free_prefill = True  # indexing the prompt costs microseconds and marks where it ends
 
-    def __init__(self, n_min: int = 2, n_max: int = 5, memory: NgramMemory | None = None) -> None:
+    def __init__(self, n_min: int = 2, n_max: int = 5, memory: NgramMemory | None = None,
+                 piece: Callable[[int], bytes] | None = None) -> None:
         self.index = NgramIndex(n_min, n_max)
+        # A token's text (Runtime.piece): resuming a copy mid-token of the prompt (_resume_one); None: by id only
+        self.piece = piece
+        self._pieces: dict[int, bytes] = {}
         self.prompt_len = 0  # tokens of the current request's prompt: a match before it copies the prompt
         self.memory = memory  # earlier requests' answers (shared by every slot); None: this request only
         self.question: int | None = None  # question_key of the prompt and shaping, for the memory (None: no memory)
@@ -141,7 +147,7 @@ class NgramProposer:
         if self.index.sync(context):  # a new request that did not call begin(): its context is the prompt
             self._prompt(context)
         m = self.index.lookup(k)
-        m = self._follow_copy(replace(m, from_prompt=m.at < self.prompt_len)) if m.tokens else m
+        m = self._follow_copy(replace(m, from_prompt=m.at < self.prompt_len)) if m.tokens else self._resume_one(k)
         if self.memory is not None:
             recall = self.memory.lookup(context, k, MATCH_CAP, self.question, len(context) - self.prompt_len)
             # the same question's answer beats anything; a longer match beats a phrase of its own that recurs
@@ -162,13 +168,50 @@ class NgramProposer:
         if m.length >= COPY_MATCH:
             self._copy = (m.at, len(self.index.tokens))
             return m
+        broke = self._broke_off()
+        return m if broke is None else replace(m, resumes=broke <= m.at <= broke + RESUME_WINDOW)
+
+    def _broke_off(self) -> int | None:
+        """The prompt position where the answer's last copy of the prompt broke off (its first
+        token the answer did not copy); None while no copy is under way."""
         if self._copy is None:
-            return m
+            return None
         src, n = self._copy
         toks, j = self.index.tokens, 0  # j: tokens the answer went on copying after that match
         while n + j < len(toks) and src + j < self.prompt_len and toks[n + j] == toks[src + j]:
             j += 1
-        return replace(m, resumes=src + j <= m.at <= src + j + RESUME_WINDOW)
+        return src + j
+
+    def _resume_one(self, k: int) -> Match:
+        """Where no suffix of n_min tokens occurred before: the first prompt token within
+        RESUME_WINDOW past where the answer's copy broke off that ends as the answer's last token
+        does, and what follows it there [<= k]. An edit that inserts words goes on with the prompt
+        right after them, before it has written n_min tokens of it, and often in the middle of
+        one of the prompt's tokens: `def count_words(text: str) -> Counter:\n` where the prompt
+        said `def count_words(text):\n`, in which `):\n` is one token. With `piece` (the token's
+        text) a prompt token that ends with the answer's last token's text counts; without it,
+        only the same token. On the recorded "add type hints" edit, drafting 8 tokens a step,
+        it took 46 steps without this, 43 with the same token and 38 with the text."""
+        broke = self._broke_off()
+        toks = self.index.tokens
+        if broke is None or len(toks) <= self.prompt_len:
+            return NO_MATCH
+        last = toks[-1]
+        tail = self._piece(last)
+        for q in range(broke, min(broke + RESUME_WINDOW, self.prompt_len - 1)):
+            if toks[q] == last or (tail and self._piece(toks[q]).endswith(tail)):
+                return Match(toks[q + 1 : q + 1 + k], 1, q + 1, from_prompt=True, resumes=True)
+        return NO_MATCH
+
+    def _piece(self, token: int) -> bytes:
+        """A token's text (b"": not known), kept: the same few hundred prompt tokens are looked at
+        step after step."""
+        if self.piece is None:
+            return b""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.piece(token)
+        return text
 
     def copy(self, context: Sequence[int], drafted: Sequence[int], k: int) -> list[int]:
         """What follows `drafted` (a draft model's guesses after `context`) where their end copies
@@ -181,9 +224,11 @@ class NgramProposer:
 
     def evidence(self, m: Match) -> Evidence:
         """Acceptance is learned per match: its length bucket (a match shorter than n_min
-        counts as n_min), what it copies (the prompt, the answer, an earlier answer) and whether it
-        resumes the answer's copy of the prompt."""
-        return Evidence(match_bucket(max(m.length, self.index.n_min)), m.from_prompt, m.from_memory, m.repeat, m.resumes)
+        counts as n_min, but for a 1-token resumption, _resume_one, learned apart), what it copies
+        (the prompt, the answer, an earlier answer) and whether it resumes the answer's copy of
+        the prompt."""
+        shortest = 1 if m.resumes else self.index.n_min
+        return Evidence(match_bucket(max(m.length, shortest)), m.from_prompt, m.from_memory, m.repeat, m.resumes)
 
     def preview(self, context: Sequence[int], k: int) -> Preview:
         m = self.match(context, k)
