@@ -496,7 +496,7 @@ class Daemon:
         self.template_source = session.models.template.source
         self.can_infill = not session.models.target.fim_tokens().missing
         self.session = session
-        self._batch = session.batch(self.cfg.server.prefill_chunk)
+        self._batch = session.batch(self.cfg.server.prefill_chunk, self.cfg.server.prefill_chunk_alone)
         self.cold_loads += cold
         self.state, self.error, self._retry_load = "ready", None, False
         self.metrics.warm.set(1)

@@ -395,12 +395,13 @@ class Host:
         decode passes on the reference ones or not)."""
         return self.cfg.k_limit(self.models.target.opts.reference_decode)
 
-    def batch(self, prefill_chunk: int) -> Batch:
-        """A driver for generations running together on this target."""
+    def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None) -> Batch:
+        """A driver for generations running together on this target (prompts read in chunks of
+        prefill_chunk tokens beside decodes, prefill_chunk_alone alone: Batch)."""
         return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk,
                      self.cfg.max_pass_rows(self.models.target.opts.reference_decode),
                      split_steps=not self.models.target.shares_cells,
-                     plan=self.controller.plan, graphs=self.models.target.graphs)
+                     plan=self.controller.plan, graphs=self.models.target.graphs, prefill_chunk_alone=prefill_chunk_alone)
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:

@@ -7,8 +7,11 @@ and positions in one llama_decode), and sends each generation its own rows. Veri
 sampling and stop conditions stay inside each generation, so exactness is per request, as alone.
 
 A prompt is prefilled in chunks of at most `prefill_chunk` tokens per round, oldest request first,
-beside the running decodes or alone: a 1,000-token prompt takes ~16 s to read on 2 cores, and in
-one piece it would stall every other request, and any that arrives meanwhile, for that long.
+beside the running decodes: a 1,000-token prompt takes ~6 s to read on 2 cores, and in one piece
+it would stall every other request for that long. Alone in its pass, it is read in chunks of
+`prefill_chunk_alone`, fewer passes, each of which costs a little beyond its rows; but in chunks
+of `prefill_chunk` still once a request of higher priority has come, since one may come again
+and would wait for the pass in flight.
 
 The steps of a pass are chosen together (`plan`, Controller.plan): after a pass, each generation
 that goes on decoding offers its next step (engine.Ask: plain, or each proposer at each draft
@@ -37,6 +40,7 @@ it makes (controller.py, split_steps).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -83,7 +87,8 @@ class Batch:
     """The running generations of one target; not thread-safe (the daemon's worker drives it)."""
 
     def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int, max_rows: int | None = None,
-                 split_steps: bool = False, plan: Plan | None = None, graphs: Graphs | None = None) -> None:
+                 split_steps: bool = False, plan: Plan | None = None, graphs: Graphs | None = None,
+                 prefill_chunk_alone: int | None = None) -> None:
         self.eval_many = eval_many
         # Wide passes: the steps of the requests in the next pass are chosen together (plan),
         # priced as the target runs them (graphs). None: each request decides its own.
@@ -91,6 +96,9 @@ class Batch:
         self.graphs = graphs
         self.n_batch = n_batch  # tokens per llama_decode at most
         self.prefill_chunk = prefill_chunk  # prompt tokens per round at most (all prompts together)
+        # ... with no decode in the pass, and no request of higher priority seen (None: prefill_chunk)
+        self.prefill_chunk_alone = prefill_chunk_alone or prefill_chunk
+        self._top_priority = -sys.maxsize  # the highest priority of any request added so far (none: below all)
         self.max_rows = max_rows  # decode rows per pass at most, prompts in passes of their own; None: wide
         # A KV stream per sequence: a pass of steps of different lengths runs as several graphs
         # (runtime.py eval_many) and its time is no pass of its rows (module docstring).
@@ -112,6 +120,7 @@ class Batch:
         first pass (none, today: a generation starts by reading its prompt)."""
         r = _Running(key, steps, priority, self._admitted)
         self._admitted += 1
+        self._top_priority = max(self._top_priority, priority)
         self._running[key] = r
         events: list[Event] = []
         self._advance(r, None, lambda _, ev: events.append(ev))
@@ -280,11 +289,12 @@ class Batch:
                 break
             parts.append((r, p.tokens, p.output))
             room -= len(p.tokens)
-        # Alone too: a request that arrives meanwhile (a voice command beside a chat's long
-        # prompt) waits at most one chunk (1-2 s), not the whole prefill (~16 s for 1,000 tokens
-        # on 2 cores). 128-token passes read a prompt about as fast as 512-token ones on a CPU
-        # (config.py, prefill_chunk).
-        chunk = min(self.prefill_chunk, room)
+        # Alone in the pass, a prompt is read in longer chunks: fewer passes, each of which costs
+        # beyond its rows (config.py, prefill_chunk_alone). But once a request of higher priority
+        # has come (a voice command beside a chat's long prompt), one may come again, and it
+        # waits for the pass in flight: then at most one short chunk.
+        alone = not parts and bool(reading) and reading[0].priority >= self._top_priority
+        chunk = min(self.prefill_chunk_alone if alone else self.prefill_chunk, room)
         for r in reading:
             if chunk <= 0:
                 break

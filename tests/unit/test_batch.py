@@ -119,7 +119,7 @@ def test_running_requests_share_one_pass_each_round_with_their_own_rows() -> Non
 
 def test_a_long_prompt_is_read_in_chunks_while_running_requests_keep_decoding() -> None:
     rt = FakeRuntime(n_seq=2, n_ctx=1024)
-    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=32, prefill_chunk_alone=512)  # never alone here
     events: dict[Hashable, list[Event]] = {"short": [], "long": []}
     events["short"] += batch.add("short", Engine(rt.slot(0)).steps(PROMPTS[0], max_tokens=60))
     for key, ev in round_events(batch):  # its prompt, alone: one chunk
@@ -160,16 +160,44 @@ def test_a_higher_priority_prompt_is_read_first_and_alone_while_lower_decodes_si
     assert rt.passes[-1][0] == (0, 1) and {"running", "high"} <= {key for key, _ in events}  # all back together
 
 
-def test_a_request_arriving_while_a_lone_prompt_is_read_waits_one_chunk_not_the_whole_prompt() -> None:
-    """A voice command that comes while a chat's long prompt is read, with nothing else running."""
+def test_a_lone_prompt_is_read_in_long_chunks_until_a_request_of_higher_priority_has_come() -> None:
     rt = FakeRuntime(n_seq=2, n_ctx=1024)
-    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8, prefill_chunk_alone=64)
+    long_prompt = [(7 * i) % 60 for i in range(200)]
+    batch.add("chat", Engine(rt.slot(0)).steps(long_prompt, max_tokens=3))
+    while not round_events(batch):  # alone in its passes, nobody above it: long chunks
+        pass
+    assert rt.slot(0).evals == [64, 64, 64, 8]
+    batch.add("command", Engine(rt.slot(1)).steps(PROMPTS[2], max_tokens=5), priority=5)
+    assert [key for key, _ in round_events(batch)] == ["command"]  # its prompt (9 tokens), its pass alone
+    assert rt.slot(1).evals == [9]  # the chat's decode sat out
+    while len(batch):
+        round_events(batch)
+    # A command came once, so it may come again: a lone chat prompt now goes in short chunks,
+    # while the command's own prompt, nobody above it, still reads in long ones.
+    batch.add("next chat", Engine(rt.slot(0)).steps(long_prompt[::-1], max_tokens=1))
+    round_events(batch)
+    assert rt.slot(0).evals[-1] == 8
+    batch.close()
+    batch.add("next command", Engine(rt.slot(1)).steps(long_prompt[:100], max_tokens=1), priority=5)
+    round_events(batch)
+    assert rt.slot(1).evals[-1] == 64
+
+
+def test_a_request_arriving_while_a_lone_prompt_is_read_waits_one_chunk_not_the_whole_prompt() -> None:
+    """A voice command that comes while a chat's long prompt is read, with nothing else running,
+    once one such command has come (before that, a lone prompt reads in long chunks)."""
+    rt = FakeRuntime(n_seq=2, n_ctx=1024)
+    batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8, prefill_chunk_alone=64)
+    batch.add("earlier command", Engine(rt.slot(1)).steps(PROMPTS[2], max_tokens=1), priority=5)
+    while len(batch):
+        round_events(batch)
     long_prompt = [(7 * i) % 60 for i in range(200)]
     batch.add("long", Engine(rt.slot(0)).steps(long_prompt, max_tokens=5))
-    assert round_events(batch) == [] and rt.slot(0).evals == [8]  # alone, it reads one chunk a round
+    assert round_events(batch) == [] and rt.slot(0).evals == [8]  # alone, it reads one short chunk a round
     batch.add("command", Engine(rt.slot(1)).steps(PROMPTS[2], max_tokens=5), priority=5)
-    events = [ev for _ in range(2) for ev in round_events(batch)]
-    assert [key for key, _ in events] == ["command"]  # its first token after its own 9 tokens
+    # its first token after its own 9 tokens, in one pass: nothing above it
+    assert [key for key, _ in round_events(batch)] == ["command"]
     assert len(rt.slot(0).tokens) == 8  # the long prompt waited, one chunk read
     while len(batch):
         round_events(batch)

@@ -59,7 +59,7 @@ class FakeHost:
     def release_slot(self, slot: int, busy: list[int]) -> None:
         pass
 
-    def batch(self, prefill_chunk: int) -> Batch:
+    def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None) -> Batch:
         return Batch(lambda parts: [], n_batch=512, prefill_chunk=prefill_chunk)
 
     def steps(self, tokens: list[int], req: GenerationRequest, slot: int, stats: GenerationStats) -> Iterator[Event]:
