@@ -142,6 +142,29 @@ def test_an_edit_resumes_its_copy_one_token_after_words_it_inserted_even_mid_tok
     assert prop.match([*edited, filler[0]], 4).tokens == []
 
 
+def _answer(prop: NgramProposer, prompt: list[int], answer: list[int], k: int):
+    """Prompt lookup's match after `answer`, asked at every token of it, as the engine asks."""
+    prop.begin(prompt)
+    for i in range(len(answer)):
+        prop.match([*prompt, *answer[:i]], k)
+    return prop.match([*prompt, *answer], k)
+
+
+def test_a_copy_stops_before_a_token_where_the_answers_copy_broke_off_more_often_than_it_went_on():
+    # Three blocks, each followed by token 50: the edit changes the answer at every 50 (a
+    # signature's "):\n"), so a draft past the next 50 would be thrown away.
+    prompt = [*range(100, 110), 50, *range(110, 120), 50, *range(120, 130), 50, 1, 2, 3]
+    edited = [*prompt[0:10], 7, 8, *prompt[11:21], 7, 8, *prompt[22:30]]
+    m = _answer(NgramProposer(2, 12), prompt, edited, 6)
+    assert m.from_prompt and m.tokens == [128, 129]  # broke at 50 twice, went on past it never
+    # Where it broke at 50 once and went on past it once (a docstring after one signature, not
+    # after another), the copy runs on through it.
+    once = [*prompt[0:21], 7, 8, *prompt[22:30]]
+    assert _answer(NgramProposer(2, 12), prompt, once, 6).tokens == [128, 129, 50, 1, 2, 3]
+    # A copy is never cut to nothing: a proposal that starts with such a token keeps it.
+    assert _answer(NgramProposer(2, 12), prompt, [*edited, 128, 129], 4).tokens[0] == 50
+
+
 def test_a_new_request_without_begin_takes_its_context_as_the_prompt():
     prop = NgramProposer(2, 2)
     prop.begin([1, 2, 3])
