@@ -252,9 +252,9 @@ class ServerConfig(_Strict):
     # 75 ms, 123 ms for 2, 227 ms for 4): four requests get ~1.3x the tokens/s of one at a time,
     # and a voice command no longer waits behind a long chat answer. 1 = one at a time.
     parallel: int = Field(4, ge=1, le=16, description="Requests that generate at the same time")
-    # A prompt is read in chunks of this many tokens, between the running requests' steps or
-    # alone, so it stalls neither them nor a request that arrives meanwhile for the whole prefill
-    # (a chunk's time, ~1.3 s at 128 on 2 Xeon cores, is what they wait at most). Every pass also
+    # A prompt is read in chunks of this many tokens between the running requests' steps (alone:
+    # prefill_chunk_alone), so it does not stall them for the whole prefill (a chunk's time,
+    # ~0.8 s at 128 on 2 Xeon cores, is what they wait at most). Every pass also
     # pays about one decode step's worth of weight reads, so small chunks cost throughput: on the
     # 2-core Xeon of 2026-12-02, 513 tokens read at 92-96 tok/s in 64-token chunks, 97-100 in 128
     # and 95-100 in 512 (scripts/prefill_chunks.py; one process, interleaved), and a cold
