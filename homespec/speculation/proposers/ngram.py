@@ -133,6 +133,7 @@ class NgramProposer:
         self.question: int | None = None  # question_key of the prompt and shaping, for the memory (None: no memory)
         # The answer's last copy of the prompt under way: (prompt position it went on from, context length then)
         self._copy: tuple[int, int] | None = None
+        self._run = 0  # tokens the answer is known to have copied after that match (_broke_off)
 
     def begin(self, prompt: Sequence[int], shaping: Hashable = ()) -> None:
         self.index.sync(prompt)
@@ -175,7 +176,7 @@ class NgramProposer:
             return m
         if m.length >= COPY_MATCH:
             self._broke_off()  # what the answer copied of the last one, and where it broke off
-            self._copy = (m.at, len(self.index.tokens))
+            self._copy, self._run = (m.at, len(self.index.tokens)), 0
             return m
         broke = self._broke_off()
         return m if broke is None else replace(m, resumes=broke <= m.at <= broke + RESUME_WINDOW)
@@ -186,12 +187,15 @@ class NgramProposer:
         if self._copy is None:
             return None
         src, n = self._copy
-        toks, j = self.index.tokens, 0  # j: tokens the answer went on copying after that match
+        # j: tokens the answer went on copying after that match; the context only grows within a
+        # request, so the walk goes on from where the last one stopped
+        toks, j = self.index.tokens, self._run
         while n + j < len(toks) and src + j < self.prompt_len and toks[n + j] == toks[src + j]:
             if src + j not in self._copied:
                 self._copied.add(src + j)
                 self._kept[toks[src + j]] = self._kept.get(toks[src + j], 0) + 1
             j += 1
+        self._run = j
         if n + j < len(toks) and src + j < self.prompt_len:  # the answer went on otherwise there
             self._broke_at[src + j] = toks[src + j]
         return src + j
@@ -204,7 +208,8 @@ class NgramProposer:
         indent after a signature that got a docstring once) does not stop it. Replayed
         (scripts/controller_replay.py --vocab, the Xeon's bench curve), the recorded edits went
         from 4.04x to 4.23x plain decoding, six held-out edits (docstrings, type hints, renames:
-        docs/replay/heldout_edits.json) from 2.08x to 2.09x; on the 2-core EPYC's curve 1.55x to 1.52x and 1.00x to 1.04x."""
+        docs/replay/heldout_edits.json) from 2.08x to 2.09x; on the 2-core EPYC's curve, 1.55x
+        to 1.52x and 1.00x to 1.04x."""
         broke: dict[int, int] = {}
         for t in self._broke_at.values():
             broke[t] = broke.get(t, 0) + 1
