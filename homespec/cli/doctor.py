@@ -46,6 +46,13 @@ def main(args: argparse.Namespace) -> int:
         print("match:    this CPU runs every kernel of the build"
               + (f" (it also has {', '.join(better)}: `make install` to use them)" if better else "")
               + (f" (built with {', '.join(unasked)}, which cost every pass more here: `make install` rebuilds without)" if unasked else ""))
+        if cb.rows_batch_invariant(options, cb.read_fixes(folder)):
+            print("greedy:   a verify pass gives each row of a Q4_K_M target what a one-token pass gives it "
+                  "(the wheel's VNNI kernels): speculation answers as plain decoding does")
+        else:
+            print("greedy:   a row in a verify pass can differ in its last bits from the same row alone (ggml's own "
+                  "kernels here), so speculation can answer otherwise than plain decoding at a near-tie; "
+                  "`runtime.exact: true` makes them identical (README, Exact mode)")
         status = 0
     import llama_cpp
 

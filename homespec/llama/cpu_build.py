@@ -380,6 +380,16 @@ def has_grouped_attention() -> bool:
     return folder is not None and FA_GROUPED_FIX in read_fixes(folder)
 
 
+def rows_batch_invariant(options: dict[str, bool], fixes: list[str]) -> bool:
+    """A build whose default passes of up to 65 rows give each row of a Q4_K_M model bitwise what
+    a one-token pass gives it, so greedy speculation says what plain decoding says without exact
+    mode: the wheel's Q4_K gemm (which needs AVX-512 with VNNI), Q6_K columns and grouped flash
+    attention, and no AMX, whose buffer would take the Q4_K weights (README, Exact mode)."""
+    kernels = options.get("GGML_AVX512", False) and options.get("GGML_AVX512_VNNI", False)
+    amx = any(options.get(k, False) for k in AMX_OPTIONS)
+    return kernels and not amx and {Q4K_VNNI_FIX, Q6K_COLUMNS_FIX, FA_GROUPED_FIX} <= set(fixes)
+
+
 def missing_flags(options: dict[str, bool], flags: set[str]) -> list[str]:
     """Flags the build needs and this CPU lacks (empty: safe to load). No flags known (not x86
     Linux): nothing can be checked, nothing is reported."""

@@ -157,18 +157,42 @@ def test_on_the_wheels_vnni_kernels_every_pass_of_up_to_65_rows_gives_a_row_its_
     kernel and attention the grouped kernel up to 65 rows (a verify pass of a 64-token draft), so
     greedy speculation says what plain decoding says, near-ties included. Measured 0.46-0.56 at
     4-17 rows before the gemm rounded so (2026-12-07); ggml's tiled kernels from 66 rows differ."""
+    if not _build_is_batch_invariant():
+        pytest.skip("needs a `make install` build with AVX-512 VNNI and without AMX (the kernels whose rows are batch-invariant)")
+    deltas = _default_mode_batch_noise()
+    assert all(d == 0.0 for ds in deltas.values() for d in ds), f"max |Δlogit| alone vs in passes of 2/4/9/17/33/65 rows: {deltas}"
+
+
+@pytest.mark.integration
+def test_where_doctor_says_rows_can_differ_in_a_pass_they_do() -> None:
+    """The other half of `homespec doctor`'s "greedy:" line: on a `make install` build without
+    the wheel's VNNI kernels (AVX2 only, or AMX's buffer in use) ggml's gemm rounds a row in a
+    pass of 4+ otherwise than its one-row gemv, so the doctor's warning is not idle there."""
     from homespec.llama import cpu_build
+
+    if cpu_build.installed_options() is None or _build_is_batch_invariant():
+        pytest.skip("needs a `make install` build without the wheel's VNNI kernels (e.g. scripts/as_cpu.sh avx2)")
+    deltas = _default_mode_batch_noise()
+    assert max(d for ds in deltas.values() for d in ds) > 0.0, deltas
+
+
+def _build_is_batch_invariant() -> bool:
+    from homespec.llama import cpu_build
+
+    folder = cpu_build.installed_package_dir()
+    options = cpu_build.read_stamp(folder) if folder is not None else None
+    return options is not None and cpu_build.rows_batch_invariant(options, cpu_build.read_fixes(folder))
+
+
+def _default_mode_batch_noise() -> dict[str, list[float]]:
+    """{prompt: [max |Δlogit| at each pass size]}: the target's rows in passes of 2-65 against one."""
     from homespec.llama.runtime import Runtime, RuntimeOptions
     from tests.conftest import TARGET, require
     from tests.integration.exactness import PROBE_PROMPTS, batch_noise
 
-    options = cpu_build.installed_options()
-    if options is None or not (options.get("GGML_AVX512") and options.get("GGML_AVX512_VNNI")) or any(options.get(o) for o in cpu_build.AMX_OPTIONS):
-        pytest.skip("needs a `make install` build with AVX-512 VNNI and without AMX (the kernels whose rows are batch-invariant)")
     rt = Runtime(require(TARGET), RuntimeOptions(n_ctx=1024, n_batch=256, flash_attn=True))  # the daemon's default on a CPU
     try:
-        deltas = batch_noise(rt, PROBE_PROMPTS[:1], positions=65, sizes=(2, 4, 9, 17, 33, 65))
+        return batch_noise(rt, PROBE_PROMPTS[:1], positions=65, sizes=(2, 4, 9, 17, 33, 65))
     finally:
         rt.close()
-    assert all(d == 0.0 for ds in deltas.values() for d in ds), f"max |Δlogit| alone vs in passes of 2/4/9/17/33/65 rows: {deltas}"
 

@@ -145,6 +145,29 @@ def test_doctor_says_an_amx_build_not_asked_for_is_rebuilt_without_it(monkeypatc
     assert "AMX" in match and "make install" in match, match
 
 
+def test_only_the_vnni_kernels_without_amx_make_a_builds_rows_batch_invariant() -> None:
+    fixes = cb.fix_names()
+    assert cb.rows_batch_invariant(cb.choose(XEON_AMX), fixes)
+    assert not cb.rows_batch_invariant(cb.choose(EPYC_AVX2), fixes)  # ggml's own AVX2 gemm
+    assert not cb.rows_batch_invariant(cb.choose(XEON_AMX, amx=True), fixes)  # AMX's buffer takes Q4_K
+    assert not cb.rows_batch_invariant(cb.choose(XEON_AMX), [f for f in fixes if f != cb.Q4K_VNNI_FIX])
+    assert not cb.rows_batch_invariant({}, fixes)  # not x86, or installed by hand
+
+
+def test_doctor_says_greedy_speculation_equals_plain_decoding_only_where_the_build_makes_it_so(monkeypatch, tmp_path: Path, capsys) -> None:
+    import argparse
+
+    from homespec.cli import doctor
+
+    monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
+    for flags, same in ((XEON_AMX, True), (EPYC_AVX2, False)):
+        cb.write_stamp(tmp_path, cb.choose(flags))
+        monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None, flags=flags: flags)
+        assert doctor.main(argparse.Namespace(no_amx_check=True)) == 0
+        greedy = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("greedy:"))
+        assert ("as plain decoding does" in greedy) == same and ("runtime.exact" in greedy) == (not same), greedy
+
+
 def test_the_runtime_refuses_a_build_for_another_cpu_before_loading_it(monkeypatch, tmp_path: Path) -> None:
     import pytest
 
