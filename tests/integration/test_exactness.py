@@ -166,12 +166,15 @@ def test_on_the_wheels_vnni_kernels_every_pass_of_up_to_65_rows_gives_a_row_its_
 @pytest.mark.integration
 def test_where_doctor_says_rows_can_differ_in_a_pass_they_do() -> None:
     """The other half of `homespec doctor`'s "greedy:" line: on a `make install` build without
-    the wheel's VNNI kernels (AVX2 only, or AMX's buffer in use) ggml's gemm rounds a row in a
-    pass of 4+ otherwise than its one-row gemv, so the doctor's warning is not idle there."""
+    the wheel's VNNI kernels (AVX2 only, or AVX-512 without VNNI) ggml's repacked Q4_K gemm rounds
+    a row in a pass of 4+ otherwise than its one-row gemv, so the doctor's warning is not idle
+    there. (AMX builds are left out: the doctor does not claim them, their Q4_K rows were measured
+    invariant, kernels.py.)"""
     from homespec.llama import cpu_build
 
-    if cpu_build.installed_options() is None or _build_is_batch_invariant():
-        pytest.skip("needs a `make install` build without the wheel's VNNI kernels (e.g. scripts/as_cpu.sh avx2)")
+    options = cpu_build.installed_options()
+    if options is None or _build_is_batch_invariant() or any(options.get(o) for o in cpu_build.AMX_OPTIONS):
+        pytest.skip("needs a `make install` build without the wheel's VNNI kernels or AMX (e.g. scripts/as_cpu.sh avx2)")
     deltas = _default_mode_batch_noise()
     assert max(d for ds in deltas.values() for d in ds) > 0.0, deltas
 
