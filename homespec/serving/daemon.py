@@ -161,6 +161,7 @@ class Daemon:
         self._active: dict[str, _Active] = {}  # job id -> the jobs generating now
         self._starting: dict[str, Job] = {}  # admitted, being started (a load may take ~30 s)
         self._batch: Batch | None = None  # drives them (one per loaded session)
+        self._top_priority: int | None = None  # the highest priority the batches so far have seen (Batch.top_priority)
         self.mean_batch_rows: float | None = None  # tokens per target pass, EWMA over ~10 passes
         self._accepting = True
         self._stop = False
@@ -496,7 +497,7 @@ class Daemon:
         self.template_source = session.models.template.source
         self.can_infill = not session.models.target.fim_tokens().missing
         self.session = session
-        self._batch = session.batch(self.cfg.server.prefill_chunk, self.cfg.server.prefill_chunk_alone)
+        self._batch = session.batch(self.cfg.server.prefill_chunk, self.cfg.server.prefill_chunk_alone, self._top_priority)
         self.cold_loads += cold
         self.state, self.error, self._retry_load = "ready", None, False
         self.metrics.warm.set(1)
@@ -525,6 +526,7 @@ class Daemon:
             return
         log.info("%s: unloading models", why)
         if self._batch is not None:
+            self._top_priority = self._batch.top_priority  # a voice command seen once may come again after the reload
             self._batch.close()
             self._batch = None
         # State first: a reader that finds no session (ps, loaded) must also find "unloaded", and

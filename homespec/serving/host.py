@@ -395,13 +395,15 @@ class Host:
         decode passes on the reference ones or not)."""
         return self.cfg.k_limit(self.models.target.opts.reference_decode)
 
-    def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None) -> Batch:
+    def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None, top_priority: int | None = None) -> Batch:
         """A driver for generations running together on this target (prompts read in chunks of
-        prefill_chunk tokens beside decodes, prefill_chunk_alone alone: Batch)."""
+        prefill_chunk tokens beside decodes, prefill_chunk_alone alone, unless a request above
+        top_priority has come: Batch)."""
         return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk,
                      self.cfg.max_pass_rows(self.models.target.opts.reference_decode),
                      split_steps=not self.models.target.shares_cells,
-                     plan=self.controller.plan, graphs=self.models.target.graphs, prefill_chunk_alone=prefill_chunk_alone)
+                     plan=self.controller.plan, graphs=self.models.target.graphs, prefill_chunk_alone=prefill_chunk_alone,
+                     top_priority=top_priority)
 
     def _proposers_of(self, slot: int) -> dict[str, Proposer] | None:
         if slot == 0:

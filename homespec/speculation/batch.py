@@ -88,7 +88,7 @@ class Batch:
 
     def __init__(self, eval_many: EvalMany, n_batch: int, prefill_chunk: int, max_rows: int | None = None,
                  split_steps: bool = False, plan: Plan | None = None, graphs: Graphs | None = None,
-                 prefill_chunk_alone: int | None = None) -> None:
+                 prefill_chunk_alone: int | None = None, top_priority: int | None = None) -> None:
         self.eval_many = eval_many
         # Wide passes: the steps of the requests in the next pass are chosen together (plan),
         # priced as the target runs them (graphs). None: each request decides its own.
@@ -98,7 +98,9 @@ class Batch:
         self.prefill_chunk = prefill_chunk  # prompt tokens per round at most (all prompts together)
         # ... with no decode in the pass, and no request of higher priority seen (None: prefill_chunk)
         self.prefill_chunk_alone = prefill_chunk_alone or prefill_chunk
-        self._top_priority = -sys.maxsize  # the highest priority of any request added so far (none: below all)
+        # The highest priority of any request added so far, or of one an earlier batch of the daemon
+        # saw (top_priority: it may come again after the models were reloaded); none: below all.
+        self._top_priority = -sys.maxsize if top_priority is None else top_priority
         self.max_rows = max_rows  # decode rows per pass at most, prompts in passes of their own; None: wide
         # A KV stream per sequence: a pass of steps of different lengths runs as several graphs
         # (runtime.py eval_many) and its time is no pass of its rows (module docstring).
@@ -111,6 +113,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self._running)
+
+    @property
+    def top_priority(self) -> int | None:
+        """The highest priority of a request added so far (or handed in); None: none yet."""
+        return None if self._top_priority == -sys.maxsize else self._top_priority
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._running

@@ -184,6 +184,19 @@ def test_a_lone_prompt_is_read_in_long_chunks_until_a_request_of_higher_priority
     assert rt.slot(1).evals[-1] == 64
 
 
+def test_a_batch_handed_an_earlier_top_priority_reads_a_lone_lower_prompt_in_short_chunks() -> None:
+    """The daemon hands a new batch (models loaded again) the highest priority the last one saw."""
+    long_prompt = [(7 * i) % 60 for i in range(200)]
+    for handed, first_chunk in ((None, 64), (5, 8), (0, 64)):
+        rt = FakeRuntime(n_seq=1, n_ctx=1024)
+        batch = Batch(rt.eval_many, n_batch=512, prefill_chunk=8, prefill_chunk_alone=64, top_priority=handed)
+        assert batch.top_priority == handed
+        batch.add("chat", Engine(rt.slot(0)).steps(long_prompt, max_tokens=1))
+        round_events(batch)
+        assert rt.slot(0).evals == [first_chunk], handed
+        assert batch.top_priority == max(handed or 0, 0)
+
+
 def test_a_request_arriving_while_a_lone_prompt_is_read_waits_one_chunk_not_the_whole_prompt() -> None:
     """A voice command that comes while a chat's long prompt is read, with nothing else running,
     once one such command has come (before that, a lone prompt reads in long chunks)."""

@@ -40,6 +40,7 @@ class FakeHost:
         self.closed = False
         self.saves = 0  # persist_prefixes calls
         self.ngram_memory: NgramMemory | None = None  # prompt lookup's memory of answers (off)
+        self.batches: list[Batch] = []  # what batch() made, in order
 
     def warmup(self) -> None:
         pass
@@ -59,8 +60,9 @@ class FakeHost:
     def release_slot(self, slot: int, busy: list[int]) -> None:
         pass
 
-    def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None) -> Batch:
-        return Batch(lambda parts: [], n_batch=512, prefill_chunk=prefill_chunk)
+    def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None, top_priority: int | None = None) -> Batch:
+        self.batches.append(Batch(lambda parts: [], n_batch=512, prefill_chunk=prefill_chunk, top_priority=top_priority))
+        return self.batches[-1]
 
     def steps(self, tokens: list[int], req: GenerationRequest, slot: int, stats: GenerationStats) -> Iterator[Event]:
         return fake_steps(stats)
@@ -125,6 +127,31 @@ def test_a_failed_reload_reports_the_reason_turns_unhealthy_and_the_next_request
         ev = final(submit(d))  # accepted, not refused: this request retries the load
         assert (ev.kind, ev.finish_reason) == ("done", "stop")
         assert d.error is None and d.cold_loads == 1
+    finally:
+        d.shutdown(1.0)
+
+
+def test_the_highest_priority_seen_outlives_an_unload_so_lone_prompts_stay_in_short_chunks_after_it() -> None:
+    """A voice command seen before the models were unloaded may come again after they are loaded:
+    the new batch starts knowing its priority (Batch's lone-prompt chunks, config.py)."""
+    hosts: list[FakeHost] = []
+
+    def opener(cfg: Config, **kw: Any) -> FakeHost:
+        hosts.append(FakeHost())
+        return hosts[-1]
+
+    d = make_daemon(opener, keep_alive_s=0.05)
+    d.start()
+    try:
+        wait_for(lambda: d.state == "unloaded", "the keep-alive unload")
+        assert hosts[0].batches[-1].top_priority is None  # nobody has asked yet
+        events: queue.Queue[JobEvent] = queue.Queue()
+        d.submit(Job(GenerationRequest(), sink=events.put, priority=5,
+                     encode=lambda models: models.encode_chat([{"role": "user", "content": "lights off"}])))
+        assert final(events).kind == "done"
+        wait_for(lambda: d.state == "unloaded", "the unload after the command")
+        assert final(submit(d)).kind == "done"  # loads again: a new host, a new batch
+        assert len(hosts) == 3 and hosts[-1].batches[-1].top_priority == 5
     finally:
         d.shutdown(1.0)
 
