@@ -265,8 +265,8 @@ class ServerConfig(_Strict):
     # A prompt with no decode beside it is read in passes this long (bounded by runtime.n_batch),
     # unless a request of higher priority has come before, since the models were first loaded (it
     # may come again, and would wait for the pass in flight: ~3 s for 512 tokens on 2 cores,
-    # against ~0.8 s for 128). Fewer passes
-    # read it faster: on the 2-core AMX Xeon of 2026-12-07, a cold 540-token chat prompt waited
+    # against ~0.8 s for 128). Fewer passes read it faster: on the 2-core AMX Xeon of
+    # 2026-12-07, a cold 540-token chat prompt waited
     # 0.96-0.99x as long as on llama-server at 512 (three runs, scripts/cold_ttft.py), 1.02x at
     # 256 and 1.04-1.06x at 128.
     prefill_chunk_alone: int = Field(512, ge=1, le=4096, description="Prompt tokens read per pass with nothing else in it")

@@ -397,8 +397,8 @@ class Host:
 
     def batch(self, prefill_chunk: int, prefill_chunk_alone: int | None = None, top_priority: int | None = None) -> Batch:
         """A driver for generations running together on this target (prompts read in chunks of
-        prefill_chunk tokens beside decodes, prefill_chunk_alone alone, unless a request above
-        top_priority has come: Batch)."""
+        prefill_chunk tokens beside decodes, prefill_chunk_alone alone; top_priority: the highest
+        priority an earlier batch saw, Batch)."""
         return Batch(self.models.target.eval_many, self.models.target.n_batch, prefill_chunk,
                      self.cfg.max_pass_rows(self.models.target.opts.reference_decode),
                      split_steps=not self.models.target.shares_cells,
