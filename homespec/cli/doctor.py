@@ -48,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
               + (f" (built with {', '.join(unasked)}, which cost every pass more here: `make install` rebuilds without)" if unasked else ""))
         if cb.rows_batch_invariant(options, cb.read_fixes(folder)):
             print("greedy:   a verify pass gives each row of a Q4_K_M target what a one-token pass gives it "
-                  "(the wheel's VNNI kernels): speculation answers as plain decoding does")
+                  "(the wheel's Q4_K kernels): speculation answers as plain decoding does")
         else:
             print("greedy:   a row in a verify pass can differ in its last bits from the same row alone (ggml's own "
                   "kernels here), so speculation can answer otherwise than plain decoding at a near-tie; "

@@ -39,7 +39,9 @@ as published:
 - repacked Q4_K products take AVX-512 VNNI where the build has it, ~2.5x cheaper over rows in
   fours and ~1.3x over one row (op timings), each block of weights decoded once for up to 16 rows
   and the 1-3 rows after the fours, each row's result bitwise ggml's one-row gemv's for it: a pass
-  of any size gives a row what a one-token pass gives it (source_fixes/q4k_vnni.cpp).
+  of any size gives a row what a one-token pass gives it (source_fixes/q4k_vnni.cpp). Builds
+  without VNNI take AVX2 kernels with the same property over 2 rows and more
+  (source_fixes/q4k_avx2.cpp).
 - so do the repacked Q4_0 products (a requantized draft's), 1-3 rows in one call, each result
   bitwise ggml's (source_fixes/q4_0_vnni.cpp).
 - the threads take a product over a quantized weight outside those paths (Q6_K: the output layer)
@@ -130,7 +132,7 @@ _NCHUNK0 = "    // CEIL(nr0/chunk_size)\n    int64_t nchunk0 = (nr0 + chunk_size
 Q4K_VNNI_FIX = "cpu-q4k-vnni"
 # bool (bool), exported by libggml-cpu: ggml's own Q4_K gemm and gemv while off (default on), for
 # the op-level check and paired timing, never changed by the daemon; returns whether the build has
-# the kernels (AVX-512 with VNNI).
+# the kernels (AVX-512 with VNNI, or AVX2 with FMA and F16C).
 Q4K_VNNI_SWITCH_SYMBOL = "homespec_cpu_set_q4k_vnni"
 _X86_REPACK = "ggml/src/ggml-cpu/arch/x86/repack.cpp"
 _Q4K_ARGS = "(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, int nr, int nc) {\n"
@@ -179,8 +181,10 @@ WHEEL_FIXES: tuple[tuple[str, str, str, str], ...] = SOURCE_FIXES + (
     (Q6K_COLUMNS_FIX, _CPU_C, _TILED_MM, _TILED_MM.replace("if (", "if (!homespec_q6k_columns_take(dst) && ")),
     # Repacked Q4_K weights against rows in fours and against one row with AVX-512 VNNI, every
     # row's result bitwise ggml's gemv's for it alone (source_fixes/q4k_vnni.cpp); builds without
-    # VNNI keep ggml's code.
-    (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMV, _fix_text("q4k_vnni.cpp") + _Q4K_GEMV + _fix_text("q4k_vnni_gemv_dispatch.cpp")),
+    # VNNI take AVX2 kernels for 2 rows and more (q4k_avx2.cpp); both share one switch
+    # (q4k_switch.cpp).
+    (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMV, _fix_text("q4k_vnni.cpp") + _fix_text("q4k_avx2.cpp") + _fix_text("q4k_switch.cpp")
+     + _Q4K_GEMV + _fix_text("q4k_vnni_gemv_dispatch.cpp")),
     (Q4K_VNNI_FIX, _X86_REPACK, _Q4K_GEMM, _Q4K_GEMM + _fix_text("q4k_vnni_dispatch.cpp")),
     # ... and the 2-3 rows the gemm leaves over in one call (a pass of 3 rows cost more than one of 4):
     # one hook in ggml's row loop for both VNNI layouts, Q4_K and Q4_0 (Q4_0_VNNI_FIX declares its query)
@@ -383,9 +387,10 @@ def has_grouped_attention() -> bool:
 def rows_batch_invariant(options: dict[str, bool], fixes: list[str]) -> bool:
     """A build whose default passes of up to 65 rows give each row of a Q4_K_M model bitwise what
     a one-token pass gives it, so greedy speculation says what plain decoding says without exact
-    mode: the wheel's Q4_K gemm (which needs AVX-512 with VNNI), Q6_K columns and grouped flash
-    attention, and no AMX, whose buffer would take the Q4_K weights (README, Exact mode)."""
-    kernels = options.get("GGML_AVX512", False) and options.get("GGML_AVX512_VNNI", False)
+    mode: the wheel's Q4_K gemm (AVX-512 VNNI kernels, or AVX2 ones where the build has no VNNI;
+    both need AVX2, FMA and F16C), Q6_K columns and grouped flash attention, and no AMX, whose
+    buffer would take the Q4_K weights (README, Exact mode)."""
+    kernels = all(options.get(k, False) for k in ("GGML_AVX2", "GGML_FMA", "GGML_F16C"))
     amx = any(options.get(k, False) for k in AMX_OPTIONS)
     return kernels and not amx and {Q4K_VNNI_FIX, Q6K_COLUMNS_FIX, FA_GROUPED_FIX} <= set(fixes)
 

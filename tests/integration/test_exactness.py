@@ -151,31 +151,35 @@ def test_the_same_question_again_drafts_its_remembered_answer_and_says_the_same(
 
 
 @pytest.mark.integration
-def test_on_the_wheels_vnni_kernels_every_pass_of_up_to_65_rows_gives_a_row_its_one_token_logits() -> None:
-    """Batch noise 0 in the default mode where the wheel's VNNI kernels run (AVX-512 with VNNI, no
-    AMX): repacked Q4_K products round each row as its one-row gemv does, Q6_K's take the columns
-    kernel and attention the grouped kernel up to 65 rows (a verify pass of a 64-token draft), so
-    greedy speculation says what plain decoding says, near-ties included. Measured 0.46-0.56 at
-    4-17 rows before the gemm rounded so (2026-12-07); ggml's tiled kernels from 66 rows differ."""
+def test_on_the_wheels_q4k_kernels_every_pass_of_up_to_65_rows_gives_a_row_its_one_token_logits() -> None:
+    """Batch noise 0 in the default mode where the wheel's Q4_K kernels run (AVX-512 VNNI, or AVX2
+    without it; no AMX): repacked Q4_K products round each row as its one-row gemv does, Q6_K's
+    take the columns kernel and attention the grouped kernel up to 65 rows (a verify pass of a
+    64-token draft), so greedy speculation says what plain decoding says, near-ties included.
+    Measured 0.46-0.56 at 4-17 rows before the gemm rounded so (2026-12-07); ggml's tiled kernels
+    from 66 rows differ."""
     if not _build_is_batch_invariant():
-        pytest.skip("needs a `make install` build with AVX-512 VNNI and without AMX (the kernels whose rows are batch-invariant)")
+        pytest.skip("needs a `make install` build with the wheel's Q4_K kernels (AVX2) and without AMX")
     deltas = _default_mode_batch_noise()
     assert all(d == 0.0 for ds in deltas.values() for d in ds), f"max |Δlogit| alone vs in passes of 2/4/9/17/33/65 rows: {deltas}"
 
 
 @pytest.mark.integration
-def test_where_doctor_says_rows_can_differ_in_a_pass_they_do() -> None:
-    """The other half of `homespec doctor`'s "greedy:" line: on a `make install` build without
-    the wheel's VNNI kernels (AVX2 only, or AVX-512 without VNNI) ggml's repacked Q4_K gemm rounds
-    a row in a pass of 4+ otherwise than its one-row gemv, so the doctor's warning is not idle
-    there. (AMX builds are left out: the doctor does not claim them, their Q4_K rows were measured
-    invariant, kernels.py.)"""
-    from homespec.llama import cpu_build
+def test_with_the_q4k_kernels_switched_off_rows_in_a_pass_differ_from_the_row_alone() -> None:
+    """The other half of `homespec doctor`'s "greedy:" line, and what makes the zero above the
+    kernels' doing: ggml's own repacked Q4_K gemm (the kernels' switch off, which is what a build
+    without them runs) rounds a row in a pass of 4+ otherwise than its one-row gemv."""
+    from homespec.llama import cpu_build, kernels
 
-    options = cpu_build.installed_options()
-    if options is None or _build_is_batch_invariant() or any(options.get(o) for o in cpu_build.AMX_OPTIONS):
-        pytest.skip("needs a `make install` build without the wheel's VNNI kernels or AMX (e.g. scripts/as_cpu.sh avx2)")
-    deltas = _default_mode_batch_noise()
+    if not _build_is_batch_invariant():
+        pytest.skip("needs a `make install` build with the wheel's Q4_K kernels (AVX2) and without AMX")
+    switch = kernels._find_switch(cpu_build.Q4K_VNNI_SWITCH_SYMBOL)
+    assert switch is not None, "a build with cpu-q4k-vnni exports its switch"
+    switch(False)
+    try:
+        deltas = _default_mode_batch_noise()
+    finally:
+        switch(True)
     assert max(d for ds in deltas.values() for d in ds) > 0.0, deltas
 
 

@@ -14,6 +14,8 @@ from homespec.llama import cpu_build as cb
 EPYC_AVX2 = set("sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2".split())
 XEON_AMX = EPYC_AVX2 | set("avx512f avx512dq avx512cd avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni "
                           "amx_tile amx_int8 amx_bf16".split())
+# An older CPU without AVX2 or FMA (Sandy Bridge): ggml's SSE/AVX code, no homespec kernels.
+SANDY_BRIDGE_AVX = set("sse sse2 ssse3 sse4_1 sse4_2 avx".split())
 
 
 def test_an_avx2_cpu_gets_the_avx2_kernels_and_nothing_wider() -> None:
@@ -145,10 +147,11 @@ def test_doctor_says_an_amx_build_not_asked_for_is_rebuilt_without_it(monkeypatc
     assert "AMX" in match and "make install" in match, match
 
 
-def test_only_the_vnni_kernels_without_amx_make_a_builds_rows_batch_invariant() -> None:
+def test_only_the_wheels_q4k_kernels_without_amx_make_a_build_rows_batch_invariant() -> None:
     fixes = cb.fix_names()
-    assert cb.rows_batch_invariant(cb.choose(XEON_AMX), fixes)
-    assert not cb.rows_batch_invariant(cb.choose(EPYC_AVX2), fixes)  # ggml's own AVX2 gemm
+    assert cb.rows_batch_invariant(cb.choose(XEON_AMX), fixes)  # AVX-512 VNNI kernels
+    assert cb.rows_batch_invariant(cb.choose(EPYC_AVX2), fixes)  # AVX2 kernels
+    assert not cb.rows_batch_invariant(cb.choose(SANDY_BRIDGE_AVX), fixes)  # ggml's own code
     assert not cb.rows_batch_invariant(cb.choose(XEON_AMX, amx=True), fixes)  # AMX's buffer takes Q4_K
     assert not cb.rows_batch_invariant(cb.choose(XEON_AMX), [f for f in fixes if f != cb.Q4K_VNNI_FIX])
     assert not cb.rows_batch_invariant({}, fixes)  # not x86, or installed by hand
@@ -160,7 +163,7 @@ def test_doctor_says_greedy_speculation_equals_plain_decoding_only_where_the_bui
     from homespec.cli import doctor
 
     monkeypatch.setattr(cb, "installed_package_dir", lambda: tmp_path)
-    for flags, same in ((XEON_AMX, True), (EPYC_AVX2, False)):
+    for flags, same in ((XEON_AMX, True), (EPYC_AVX2, True), (SANDY_BRIDGE_AVX, False)):
         cb.write_stamp(tmp_path, cb.choose(flags))
         monkeypatch.setattr(cb, "cpu_flags", lambda cpuinfo=None, flags=flags: flags)
         assert doctor.main(argparse.Namespace(no_amx_check=True)) == 0
@@ -359,6 +362,11 @@ def test_the_wheel_alone_gets_the_reference_switch_grouped_attention_the_q6k_q4k
     gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_vnni<1>(n, s, bs, vx, vy, nr, nc);")
     assert "homespec_gemm_q4_K_8x8_q8_K_vnni<4>(n, s, bs, vx, vy, nr, nc);" in q4k
     assert max(kernels) < gemv < gemv_call < q4k.index("    const int qk = QK_K;") < gemm < gemm_call < q4k.rindex("    const int qk = QK_K;")
+    # ... and so do the AVX2 ones, for builds without VNNI (2-3 rows to the gemv kernel)
+    avx2 = [q4k.index("static void homespec_gemv_q4_K_8x8_q8_K_avx2("), q4k.index("static void homespec_gemm_q4_K_8x8_q8_K_avx2(")]
+    avx2_gemv_call = q4k.index("homespec_gemv_q4_K_8x8_q8_K_avx2(n, s, bs, vx, vy, nr, nc);")
+    avx2_gemm_call = q4k.index("homespec_gemm_q4_K_8x8_q8_K_avx2(n, s, bs, vx, vy, nr, nc);")
+    assert max(avx2) < gemv < avx2_gemv_call < q4k.index("    const int qk = QK_K;") < gemm < avx2_gemm_call < q4k.rindex("    const int qk = QK_K;")
     assert f"bool {cb.Q4K_VNNI_SWITCH_SYMBOL}(bool on) {{" in q4k
     # the row loop after ggml's gemm hands the 2-3 rows it leaves to one gemv call first, asking the
     # x86 file (declared weak, after the includes) whether it takes them

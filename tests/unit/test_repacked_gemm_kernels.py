@@ -7,7 +7,8 @@ fours in the gemm's own call where the fix takes them there (q4_K). No weights.
   Q4K_VNNI_FIX;
 - q4_0_8x8, the requantized Q4_0 draft's: Q4_0_VNNI_FIX.
 
-Each fix's properties, where the build has AVX-512 VNNI:
+Each fix's properties, where the build has its kernels (q4_K: AVX-512 VNNI, or else AVX2 with FMA
+and F16C; q4_0: AVX-512 VNNI):
 - every row's result is bitwise the same row's computed alone, in a one-row gemv call: a pass of
   any number of rows gives a row what a one-token pass gives it (batch invariance: greedy
   speculation then says what plain decoding says);
@@ -29,7 +30,9 @@ from tests.unit import ggml_programs
 SOURCE = Path(__file__).with_name("repacked_gemm_check.c")
 MAX_REL_ERR = 1e-5  # of the case's largest |result|: exact integer sums, float steps per 32-64 values (5e-7 here)
 SWITCHES = {"q4_K": cpu_build.Q4K_VNNI_SWITCH_SYMBOL, "q4_0": cpu_build.Q4_0_VNNI_SWITCH_SYMBOL}
-VNNI_OPTIONS = ("GGML_AVX512", "GGML_AVX512_VNNI")  # what the fix's kernels are compiled under
+# what each fix's kernels are compiled under (any one set of them)
+KERNEL_OPTIONS = {"q4_K": (("GGML_AVX512", "GGML_AVX512_VNNI"), ("GGML_AVX2", "GGML_FMA", "GGML_F16C")),
+                  "q4_0": (("GGML_AVX512", "GGML_AVX512_VNNI"),)}
 
 # rows (1-3: the gemv), inputs, outputs, results that differ between the switch on and off, results
 # that differ from the row alone, error with the switch on and off
@@ -55,17 +58,17 @@ def run(exe: Path, layout: str) -> tuple[str, list[Case]]:
     return lines[0], cases
 
 
-def _vnni_build() -> bool | None:
+def _kernels_build(layout: str) -> bool | None:
     options = cpu_build.installed_options()
-    return None if options is None else all(options.get(o) for o in VNNI_OPTIONS)
+    return None if options is None else any(all(options.get(o) for o in needs) for needs in KERNEL_OPTIONS[layout])
 
 
-def test_the_wheel_has_the_vnni_kernels_exactly_where_it_was_built_for_vnni(run: tuple[str, list[Case]], layout: str) -> None:
+def test_the_wheel_has_each_fixs_kernels_exactly_where_it_was_built_for_them(run: tuple[str, list[Case]], layout: str) -> None:
     switch, _ = run
-    vnni = _vnni_build()
-    if vnni is None:
+    kernels = _kernels_build(layout)
+    if kernels is None:
         pytest.skip("llama_cpp was not installed by `make install` (no stamp)")
-    assert switch == f"switch 1 {int(vnni)}", f"{SWITCHES[layout]}: {switch!r} in a build with VNNI {vnni}"
+    assert switch == f"switch 1 {int(kernels)}", f"{SWITCHES[layout]}: {switch!r} in a build with the options for them {kernels}"
 
 
 def test_the_check_names_an_unknown_layout_and_stops(exe: Path) -> None:
@@ -80,17 +83,17 @@ def test_repacked_products_match_ggmls_scalar_code_at_every_row_count(run: tuple
     assert not bad, f"(rows, inputs, outputs, differing, differing alone, error on, error off) beyond {MAX_REL_ERR}: {bad}"
 
 
-def test_the_vnni_kernels_give_every_row_bitwise_what_it_gets_alone(run: tuple[str, list[Case]]) -> None:
+def test_the_fixs_kernels_give_every_row_bitwise_what_it_gets_alone(run: tuple[str, list[Case]]) -> None:
     switch, cases = run
     if switch != "switch 1 1":
-        pytest.skip("a build without the fix's kernels (no AVX-512 VNNI) runs ggml's code, switch or not")
+        pytest.skip("a build without the fix's kernels runs ggml's code, switch or not")
     bad = [c for c in cases if c[4]]
     assert not bad, f"(rows, inputs, outputs, differing, differing alone, error on, error off) where a row differs from alone: {bad}"
 
 
-def test_the_vnni_kernels_give_bitwise_ggmls_results_where_ggml_is_batch_invariant(run: tuple[str, list[Case]], layout: str) -> None:
+def test_the_fixs_kernels_give_bitwise_ggmls_results_where_ggml_is_batch_invariant(run: tuple[str, list[Case]], layout: str) -> None:
     switch, cases = run
     if switch != "switch 1 1":
-        pytest.skip("a build without the fix's kernels (no AVX-512 VNNI) runs ggml's code, switch or not")
+        pytest.skip("a build without the fix's kernels runs ggml's code, switch or not")
     bad = [c for c in cases if c[3] and (layout == "q4_0" or c[0] < 4)]  # ggml's Q4_K gemm rounds otherwise
     assert not bad, f"(rows, inputs, outputs, differing, differing alone, error on, error off) where the switch changes results: {bad}"

@@ -17,11 +17,7 @@
 // values instead, so a row's logits depended on how many rows shared its pass (up to 0.56 apart
 // at 4-17 rows against one, the 1.5B target after 30 tokens, 2026-12-07), and greedy speculation
 // left plain decoding's text at near-ties; with this gemm they were 0 apart at 2-17 rows.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define HOMESPEC_Q4K_VNNI 1
-#include <atomic>
-static std::atomic<bool> homespec_q4k_vnni{true};
-
+#if defined(__AVX2__)
 // Eight 6-bit scales then eight 6-bit mins, one per column, from the 12 bytes make_block_q4_Kx8
 // packs them in (ggml's own decode, as its gemm does it).
 static inline __m128i homespec_q4k_scales_mins(const uint8_t * packed) {
@@ -35,15 +31,6 @@ static inline __m128i homespec_q4k_scales_mins(const uint8_t * packed) {
     return _mm_loadu_si128((const __m128i *) u);
 }
 
-// Four activation bytes in every 32-bit lane, read as one 4-byte load that GCC broadcasts from
-// memory (a load); a 64-bit load split in registers cost a shift and a broadcast from a general
-// register per product (0.63 against 0.50 ms for 4 rows of a 1536 x 8960 weight).
-static inline __m512i homespec_bcast4(const int8_t * p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 // One repacked super-block of 8 columns (1152 bytes) into L2. The gemm computes while it reads, and
 // the hardware prefetcher kept too little of the stream ahead of it: prefetching the next column
 // pair one pair ahead made target passes of 4-8 rows 15-25 % cheaper on a 2-core AVX-512 EPYC
@@ -52,6 +39,20 @@ static inline void homespec_prefetch_q4_Kx8(const block_q4_Kx8 * p) {
     for (size_t line = 0; line < sizeof(block_q4_Kx8); line += 64) {
         _mm_prefetch((const char *) p + line, _MM_HINT_T1);
     }
+}
+
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HOMESPEC_Q4K_VNNI 1
+
+// Four activation bytes in every 32-bit lane, read as one 4-byte load that GCC broadcasts from
+// memory (a load); a 64-bit load split in registers cost a shift and a broadcast from a general
+// register per product (0.63 against 0.50 ms for 4 rows of a 1536 x 8960 weight).
+static inline __m512i homespec_bcast4(const int8_t * p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
 }
 
 // 8 values of each column of a column pair (64 weight bytes of each group), unpacked: the low nibbles
@@ -350,28 +351,3 @@ static void homespec_gemv_q4_K_8x8_q8_K_vnni(int n, float * GGML_RESTRICT s, siz
     }
 }
 #endif
-
-// bool (bool): ggml's own gemm and gemv while off, for the op-level check and paired timing (default
-// on); returns whether this build has the kernels at all (AVX-512 with VNNI), the switch's effect.
-extern "C" {
-// Whether ggml_gemv_q4_K_8x8_q8_K takes 2-3 rows in one call now (its `nr`; ggml's own takes one):
-// the row loop ggml's repack.cpp runs after the gemm asks before it calls (q4k_vnni_rows.cpp).
-bool homespec_q4k_gemv_takes_rows(void);
-bool homespec_q4k_gemv_takes_rows(void) {
-#if defined(HOMESPEC_Q4K_VNNI)
-    return homespec_q4k_vnni.load(std::memory_order_relaxed);
-#else
-    return false;
-#endif
-}
-GGML_BACKEND_API bool homespec_cpu_set_q4k_vnni(bool on);
-GGML_BACKEND_API bool homespec_cpu_set_q4k_vnni(bool on) {
-#if defined(HOMESPEC_Q4K_VNNI)
-    homespec_q4k_vnni.store(on);
-    return true;
-#else
-    (void) on;
-    return false;
-#endif
-}
-}

@@ -14,4 +14,11 @@
         homespec_gemv_q4_K_8x8_q8_K_vnni<3>(n, s, bs, vx, vy, nc);
         return;
     }
+#elif defined(HOMESPEC_Q4K_AVX2)
+    // homespec (Q4K_VNNI_FIX, AVX2): one row stays with ggml's code below; 2-3 rows (from the row
+    // loop, as above) in one call
+    if (nr > 1) {
+        homespec_gemv_q4_K_8x8_q8_K_avx2(n, s, bs, vx, vy, nr, nc);
+        return;
+    }
 #endif
