@@ -25,45 +25,61 @@ static inline void homespec_q4k_avx2_scales(__m128i scales, __m256i * s0123, __m
     *s4567 = _mm256_set_m128i(_mm_unpackhi_epi32(hi, hi), _mm_unpacklo_epi32(hi, hi));
 }
 
-// ROWS (1-4) rows' products with one super-block of a column group (b), added to their
+// One super-block of a column group, decoded once for all of a pass's rows (2.2 KiB, in L1): its
+// weights unpacked, its scales in the lanes they multiply, its mins, its columns' d and dmin.
+struct homespec_q4k_avx2_block {
+    __m256i w[QK_K / 64][2][4][2];      // [sub-block pair][low, high nibbles][8 values j][columns 0-3, 4-7] bytes
+    __m256i scale[QK_K / 64][2][2];     // [sub-block pair][low, high][columns 0-3, 4-7] int16, 4 lanes per column
+    __m256i mins[QK_K / 64];            // [sub-block pair] (low's, high's) int16 pair per column
+    __m256 col_d, col_dmin;             // [8 columns]
+};
+
+static inline void homespec_q4k_avx2_decode(const block_q4_Kx8 * b, homespec_q4k_avx2_block * blk) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int sb = 0; sb < QK_K / 64; sb++) {
+        const __m128i sm_lo = homespec_q4k_scales_mins(b->scales + 24 * sb);
+        const __m128i sm_hi = homespec_q4k_scales_mins(b->scales + 12 + 24 * sb);
+        blk->mins[sb] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm_lo, sm_hi));
+        homespec_q4k_avx2_scales(sm_lo, &blk->scale[sb][0][0], &blk->scale[sb][0][1]);
+        homespec_q4k_avx2_scales(sm_hi, &blk->scale[sb][1][0], &blk->scale[sb][1][1]);
+        const uint8_t * q = b->qs + 256 * sb;
+        for (int j = 0; j < 4; j++) {
+            for (int c = 0; c < 2; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *) (q + 64 * j + 32 * c));
+                blk->w[sb][0][j][c] = _mm256_and_si256(raw, m4);
+                blk->w[sb][1][j][c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            }
+        }
+    }
+    blk->col_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));
+    blk->col_dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->dmin));
+}
+
+// ROWS (1-4) rows' products with one decoded super-block of a column group, added to their
 // accumulators (acc, acc_min: [ROWS] x 8 columns). Row r's value k of the super-block is at
 // qs[r] + (k / 8) * step + k % 8, step 32 for the first FOURS rows (interleaved, block_q8_Kx4) and 8
 // for the others (block_q8_K); its 16-value sums at bsums[r] + (k / 64) * (16 or 4) + (k / 16) % 4.
 template <int ROWS, int FOURS>
-static inline void homespec_q4k_avx2_rows(const block_q4_Kx8 * b, const int8_t * const * qs, const int16_t * const * bsums,
+static inline void homespec_q4k_avx2_rows(const homespec_q4k_avx2_block & blk, const int8_t * const * qs, const int16_t * const * bsums,
                                           const float * d, __m256 * acc, __m256 * acc_min) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i isum[ROWS][2];  // [row][columns 0-3, 4-7] x (column x 2 lanes) int32, exact
     __m256i imin[ROWS];     // [row] x 8 columns int32, exact
     for (int r = 0; r < ROWS; r++) {
         isum[r][0] = isum[r][1] = imin[r] = _mm256_setzero_si256();
     }
     for (int sb = 0; sb < QK_K / 64; sb++) {  // a pair of 32-value sub-blocks: low nibbles, high nibbles
-        const __m128i sm_lo = homespec_q4k_scales_mins(b->scales + 24 * sb);
-        const __m128i sm_hi = homespec_q4k_scales_mins(b->scales + 12 + 24 * sb);
-        const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm_lo, sm_hi));  // (low's, high's) per column
         for (int r = 0; r < ROWS; r++) {
             const int16_t * bs4 = bsums[r] + (r < FOURS ? 16 : 4) * sb;
             const uint32_t bsum_pair = (uint16_t) (bs4[0] + bs4[1]) | ((uint32_t) (uint16_t) (bs4[2] + bs4[3]) << 16);
-            imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(mins, _mm256_set1_epi32((int32_t) bsum_pair)));
+            imin[r] = _mm256_add_epi32(imin[r], _mm256_madd_epi16(blk.mins[sb], _mm256_set1_epi32((int32_t) bsum_pair)));
         }
         for (int half = 0; half < 2; half++) {
-            __m256i s0123, s4567;
-            homespec_q4k_avx2_scales(half ? sm_hi : sm_lo, &s0123, &s4567);
             __m256i dot[ROWS][2];  // [row][columns 0-3, 4-7] x 16 lanes int16
             for (int r = 0; r < ROWS; r++) {
                 dot[r][0] = dot[r][1] = _mm256_setzero_si256();
             }
-            const uint8_t * q = b->qs + 256 * sb;
             for (int j = 0; j < 4; j++) {  // values 8j..8j+7 of the sub-block: 8 bytes per column
-                __m256i w0 = _mm256_loadu_si256((const __m256i *) (q + 64 * j));
-                __m256i w1 = _mm256_loadu_si256((const __m256i *) (q + 64 * j + 32));
-                if (half) {
-                    w0 = _mm256_srli_epi16(w0, 4);
-                    w1 = _mm256_srli_epi16(w1, 4);
-                }
-                w0 = _mm256_and_si256(w0, m4);
-                w1 = _mm256_and_si256(w1, m4);
+                const __m256i w0 = blk.w[sb][half][j][0], w1 = blk.w[sb][half][j][1];
                 for (int r = 0; r < ROWS; r++) {
                     int64_t a;  // k = 64 sb + 32 half + 8 j
                     memcpy(&a, qs[r] + (8 * sb + 4 * half + j) * (r < FOURS ? 32 : 8), 8);
@@ -73,24 +89,22 @@ static inline void homespec_q4k_avx2_rows(const block_q4_Kx8 * b, const int8_t *
                 }
             }
             for (int r = 0; r < ROWS; r++) {
-                isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_madd_epi16(dot[r][0], s0123));
-                isum[r][1] = _mm256_add_epi32(isum[r][1], _mm256_madd_epi16(dot[r][1], s4567));
+                isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_madd_epi16(dot[r][0], blk.scale[sb][half][0]));
+                isum[r][1] = _mm256_add_epi32(isum[r][1], _mm256_madd_epi16(dot[r][1], blk.scale[sb][half][1]));
             }
         }
     }
-    const __m256 col_d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->d));
-    const __m256 col_dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) b->dmin));
     for (int r = 0; r < ROWS; r++) {
         // a column's two lanes added: c0 c1 c4 c5 | c2 c3 c6 c7, then in column order
         const __m256i cols = _mm256_permute4x64_epi64(_mm256_hadd_epi32(isum[r][0], isum[r][1]), 0xD8);
         const __m256 row_d = _mm256_set1_ps(d[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cols), _mm256_mul_ps(col_d, row_d), acc[r]);
-        acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(col_dmin, row_d), acc_min[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cols), _mm256_mul_ps(blk.col_d, row_d), acc[r]);
+        acc_min[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[r]), _mm256_mul_ps(blk.col_dmin, row_d), acc_min[r]);
     }
 }
 
-// 1-3 rows of their own (block_q8_K each) against super-block ib of a column group.
-static inline void homespec_q4k_avx2_rest(const block_q4_Kx8 * b, const block_q8_K * const * rest, int nrest, int ib,
+// 1-3 rows of their own (block_q8_K each) against super-block ib of a column group, decoded.
+static inline void homespec_q4k_avx2_rest(const homespec_q4k_avx2_block & blk, const block_q8_K * const * rest, int nrest, int ib,
                                           __m256 * acc, __m256 * acc_min) {
     const int8_t * qs[3];
     const int16_t * bsums[3];
@@ -101,9 +115,9 @@ static inline void homespec_q4k_avx2_rest(const block_q4_Kx8 * b, const block_q8
         d[r] = rest[r][ib].d;
     }
     switch (nrest) {
-        case 1: homespec_q4k_avx2_rows<1, 0>(b, qs, bsums, d, acc, acc_min); break;
-        case 2: homespec_q4k_avx2_rows<2, 0>(b, qs, bsums, d, acc, acc_min); break;
-        case 3: homespec_q4k_avx2_rows<3, 0>(b, qs, bsums, d, acc, acc_min); break;
+        case 1: homespec_q4k_avx2_rows<1, 0>(blk, qs, bsums, d, acc, acc_min); break;
+        case 2: homespec_q4k_avx2_rows<2, 0>(blk, qs, bsums, d, acc, acc_min); break;
+        case 3: homespec_q4k_avx2_rows<3, 0>(blk, qs, bsums, d, acc, acc_min); break;
         default: break;
     }
 }
@@ -111,7 +125,8 @@ static inline void homespec_q4k_avx2_rest(const block_q4_Kx8 * b, const block_q8
 // nfours groups of four interleaved rows (block_q8_Kx4, nb blocks each) then nrest rows of their
 // own (block_q8_K, nb blocks each), columns in groups of 8: s[row*bs + col] as ggml's gemm and
 // gemv write it. Up to 4 groups and the rest take each super-block of a column group in turn,
-// so its weights come from L1 after the first group reads them.
+// decoded once for all of them: decoded per group of rows, a 16-row product cost 0.81x ggml's, now
+// 0.68x (scripts/q4k_gemm_cost.c, 2-core AVX2 EPYC, 2026-12-07).
 static void homespec_q4k_avx2(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
                               const block_q8_Kx4 * fours, int nfours, const block_q8_K * rest0, int nrest, int nc) {
     constexpr int GROUPS = 4;
@@ -122,6 +137,7 @@ static void homespec_q4k_avx2(int n, float * GGML_RESTRICT s, size_t bs, const v
     for (int r = 0; r < nrest; r++) {
         rest[r] = rest0 + (size_t) r * nb;
     }
+    alignas(32) homespec_q4k_avx2_block blk;
     const int nchunks = std::max(1, (nfours + GROUPS - 1) / GROUPS);
     for (int c = 0; c < nchunks; c++) {
         const int y0 = c * GROUPS;
@@ -137,13 +153,14 @@ static void homespec_q4k_avx2(int n, float * GGML_RESTRICT s, size_t bs, const v
                 if (c == 0 && x + 1 < ngroups) {  // the next group's, on the first rows only (q4k_vnni.cpp)
                     homespec_prefetch_q4_Kx8(b + nb + ib);
                 }
+                homespec_q4k_avx2_decode(b + ib, &blk);
                 for (int g = 0; g < groups; g++) {
                     const block_q8_Kx4 * a = fours + (size_t) (y0 + g) * nb + ib;
                     const int8_t * qs[4] = { a->qs, a->qs + 8, a->qs + 16, a->qs + 24 };
                     const int16_t * bsums[4] = { a->bsums, a->bsums + 4, a->bsums + 8, a->bsums + 12 };
-                    homespec_q4k_avx2_rows<4, 4>(b + ib, qs, bsums, a->d, acc + 4 * g, acc_min + 4 * g);
+                    homespec_q4k_avx2_rows<4, 4>(blk, qs, bsums, a->d, acc + 4 * g, acc_min + 4 * g);
                 }
-                homespec_q4k_avx2_rest(b + ib, rest, extra, ib, acc + 4 * groups, acc_min + 4 * groups);
+                homespec_q4k_avx2_rest(blk, rest, extra, ib, acc + 4 * groups, acc_min + 4 * groups);
             }
             for (int r = 0; r < 4 * groups + extra; r++) {
                 const int row = r < 4 * groups ? 4 * y0 + r : 4 * nfours + (r - 4 * groups);
